@@ -1,0 +1,89 @@
+"""`specdec` command line. Errors from bad input print one clear line (exit 2), never a traceback."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from .engine.registry import DEFAULT_MODEL, PRESETS
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset ({', '.join(PRESETS)}), .gguf file or HF dir")
+    p.add_argument("--dtype", default=None, help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*)")
+    p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool size in tokens")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="seed for non-greedy sampling (chosen and printed if unset)")
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .engine.engine import Engine
+    from .engine.registry import load
+    from .engine.tokenizer import StreamDecoder
+    from .generate import Request, generate
+    from .spec.sampling import SamplingParams
+
+    torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", torch.get_num_threads())))
+    lm = load(args.model, args.dtype)
+    engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+    tok = lm.tokenizer
+    prompt = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            seed=args.seed)
+    stream = StreamDecoder(tok)
+    first: list[float] = []
+
+    def on_token(_, t):
+        first or first.append(time.perf_counter())
+        sys.stdout.write(stream.push([t]))
+        sys.stdout.flush()
+
+    print(f"[{lm.name}: {lm.cfg.arch}, {lm.cfg.n_layers} layers, {engine.dtype}, loaded in {lm.load_seconds:.1f}s]",
+          file=sys.stderr)
+    t0 = time.perf_counter()
+    out = generate(engine, [Request(prompt, params, args.max_tokens, tok.eos_ids)], on_token)[0]
+    t1 = time.perf_counter()
+    n = len(out.tokens)
+    decode_rate = (n - 1) / (t1 - first[0]) if n > 1 else float("nan")
+    seed = f", seed {out.seed}" if out.seed is not None else ""
+    print(f"\n[{n} tokens in {t1 - t0:.2f}s: {n / (t1 - t0):.1f} tokens/s overall, {decode_rate:.1f} tokens/s decode, "
+          f"prompt {len(prompt)} tokens, finish {out.finish_reason}{seed}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .errors import SpecdecError
+
+    ap = argparse.ArgumentParser(prog="specdec", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text (target-only decoding)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecdecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

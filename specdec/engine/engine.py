@@ -1,0 +1,90 @@
+"""The engine: a model, its KV pool, and the packed ragged forward over many sequences.
+
+    eng = Engine(model, kv_tokens=8192)
+    a, b = eng.new_sequence(), eng.new_sequence()
+    out = eng.forward([SeqInput(a, prompt_a), SeqInput(b, block_b, start=n_b, logits="all")])
+    out.rows(1)   # logits of every new row of b (a verify)
+
+Prefill, decode and verify are all `forward`: they differ only in how many rows each sequence brings and which
+logits come back.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .kv_cache import KVPool
+from .layout import Layout, SeqInput, pack
+from .model import Transformer
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: torch.Tensor            # [R, V], float32 (float64 for float64 models)
+    cu_logits: list[int]
+    hidden: dict[int, torch.Tensor]  # layer -> [T, dim] hidden states of every packed row
+    layout: Layout
+
+    def rows(self, i: int) -> torch.Tensor:
+        """Logits returned for input i."""
+        return self.logits[self.cu_logits[i]:self.cu_logits[i + 1]]
+
+
+class Engine:
+    def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16):
+        self.model = model.eval()
+        self.cfg = model.cfg
+        self.dtype = model.embed.weight.dtype
+        self.device = model.embed.weight.device
+        self.kv = KVPool(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.hd, kv_tokens, page_size=page_size,
+                         dtype=self.dtype, device=self.device)
+        self.rows_processed = 0      # packed rows through the model so far (what compact verify saves)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def new_sequence(self) -> int:
+        return self.kv.allocate()
+
+    def release(self, seq: int) -> None:
+        self.kv.free(seq)
+
+    def length(self, seq: int) -> int:
+        return self.kv.length(seq)
+
+    def truncate(self, seq: int, n: int) -> None:
+        self.kv.truncate(seq, n)
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
+        self.rows_processed += layout.tokens.numel()
+        logits, hidden = self.model(layout.tokens.to(self.device), layout, self.kv, layout.logit_rows.to(self.device),
+                                    hidden_layers)
+        out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
+
+    def prefill(self, seqs: list[int], prompts: list[list[int]], chunk_tokens: int = 512) -> torch.Tensor:
+        """Prefill many prompts, packed into forwards of at most `chunk_tokens` rows (long prompts are chunked).
+        Returns the last-row logits of each prompt, [B, V]."""
+        assert len(seqs) == len(prompts)
+        done = [0] * len(seqs)          # prompts are written from position 0 (over anything cached)
+        last: dict[int, torch.Tensor] = {}
+        while any(d < len(p) for d, p in zip(done, prompts)):
+            batch, budget, owners = [], chunk_tokens, []
+            for i, (s, p) in enumerate(zip(seqs, prompts)):
+                if done[i] >= len(p) or budget == 0:
+                    continue
+                n = min(len(p) - done[i], budget)
+                finishes = done[i] + n == len(p)
+                batch.append(SeqInput(s, p[done[i]:done[i] + n], start=done[i], logits="last" if finishes else "none"))
+                owners.append((i, finishes))
+                done[i] += n
+                budget -= n
+            out = self.forward(batch)
+            for j, (i, finishes) in enumerate(owners):
+                if finishes:
+                    last[i] = out.rows(j)[-1]
+        return torch.stack([last[i] for i in range(len(seqs))])

@@ -1,0 +1,82 @@
+"""Packing many sequences' new rows into one flat forward.
+
+`pack` turns per-sequence inputs into the flat token tensor plus a `Layout`: each row's absolute position and KV
+write slot, cu_seqlens, and per sequence the slots it reads (cached prefix + its own new rows) and its causal mask.
+It is computed once per forward and shared by every layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from ..errors import InvalidRequest
+from .kv_cache import KVPool
+
+
+@dataclasses.dataclass
+class SeqInput:
+    """New rows of one sequence. `start` None appends at the cached length; a smaller start rolls back first."""
+    seq: int
+    tokens: Sequence[int] | torch.Tensor
+    start: int | None = None
+    logits: str = "last"          # "last" | "all" | "none"
+
+
+@dataclasses.dataclass
+class SeqRows:
+    row0: int                     # first row in the flat batch
+    n: int                        # new rows
+    read_slots: torch.Tensor      # [start + n] KV slots of positions 0 .. start+n-1
+    mask: torch.Tensor | None     # [n, start + n] bool, None when a single row sees everything
+
+
+@dataclasses.dataclass
+class Layout:
+    tokens: torch.Tensor          # [T]
+    positions: torch.Tensor       # [T] absolute positions
+    write_slots: torch.Tensor     # [T]
+    cu_seqlens: torch.Tensor      # [B + 1]
+    seqs: list[SeqRows]
+    logit_rows: torch.Tensor      # rows whose logits are returned, in input order
+    cu_logits: list[int]          # logits of input i are logit rows cu_logits[i] : cu_logits[i + 1]
+
+
+def pack(inputs: list[SeqInput], kv: KVPool, vocab_size: int, max_seq_len: int) -> Layout:
+    """Validate, reserve KV for every input (all-or-nothing), and lay the rows out flat."""
+    if not inputs:
+        raise InvalidRequest("a forward needs at least one sequence", field="inputs")
+    if len({i.seq for i in inputs}) != len(inputs):
+        raise InvalidRequest("a sequence appears twice in one forward", field="inputs")
+    toks, spans = [], []
+    for inp in inputs:
+        t = torch.as_tensor(inp.tokens, dtype=torch.long).reshape(-1)
+        if t.numel() == 0:
+            raise InvalidRequest("no tokens to run", field="tokens", remedy="send at least one token")
+        if int(t.min()) < 0 or int(t.max()) >= vocab_size:
+            bad = int(t[(t < 0) | (t >= vocab_size)][0])
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab_size})", field="tokens")
+        start = kv.length(inp.seq) if inp.start is None else inp.start
+        if start + t.numel() > max_seq_len:
+            raise InvalidRequest(f"{start + t.numel()} tokens exceed the model context of {max_seq_len}",
+                                 field="prompt", remedy="shorten the prompt or lower max_tokens")
+        toks.append(t)
+        spans.append((inp.seq, start, t.numel()))
+    kv.write(spans)
+
+    positions, writes, seqs, logit_rows, cu_logits, row0 = [], [], [], [], [0], 0
+    for inp, (sid, start, n) in zip(inputs, spans):
+        read = kv.slots(sid, 0, start + n)
+        positions.append(torch.arange(start, start + n))
+        writes.append(read[start:])
+        mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+        seqs.append(SeqRows(row0, n, read, mask))
+        rows = {"last": [row0 + n - 1], "all": list(range(row0, row0 + n)), "none": []}[inp.logits]
+        logit_rows += rows
+        cu_logits.append(cu_logits[-1] + len(rows))
+        row0 += n
+    lens = torch.tensor([s.n for s in seqs])
+    return Layout(tokens=torch.cat(toks), positions=torch.cat(positions), write_slots=torch.cat(writes),
+                  cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]), seqs=seqs,
+                  logit_rows=torch.tensor(logit_rows, dtype=torch.long), cu_logits=cu_logits)

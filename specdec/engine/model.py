@@ -1,0 +1,145 @@
+"""The model: a decoder-only transformer of the Llama / Qwen2 families, readable top to bottom.
+
+RMSNorm, rotary embeddings (rotate-half convention, the config's theta), grouped-query attention, SwiGLU MLP,
+optional q/k/v bias (Qwen2), tied or untied lm_head.
+
+The forward pass is *packed*: the new tokens of many sequences arrive as one flat [T] tensor, every linear layer runs
+once over the T real rows, and only attention looks at sequence boundaries (through `Layout`, built by
+engine.layout from the KV cache). Nothing here knows about requests, batching policy or sampling.
+
+Tensor parallelism comes later: each linear keeps its own weight (q/k/v fused head-aligned, gate/up fused), so a
+column shard is a slice of whole heads / ffn columns and a row shard is a slice of the input dim; the two all-reduce
+points are after `wo` and after `w_down`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str                # "llama" | "qwen2"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 2048
+    qkv_bias: bool = False
+    tie_embeddings: bool = True
+    head_dim: int | None = None
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.hd
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, layout, k_cache, v_cache):
+        T = x.shape[0]
+        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv_heads * self.hd,
+                                      self.n_kv_heads * self.hd], dim=-1)
+        q = rope(q.view(T, self.n_heads, self.hd), cos, sin)
+        k = rope(k.view(T, self.n_kv_heads, self.hd), cos, sin)
+        # Write this step's keys/values at their positions' slots: rollback is just overwriting.
+        k_cache.index_copy_(0, layout.write_slots, k)
+        v_cache.index_copy_(0, layout.write_slots, v.view(T, self.n_kv_heads, self.hd))
+        out = torch.empty_like(q)
+        for s in layout.seqs:  # each sequence attends to its own cached prefix + causally within its new rows
+            qs = q[s.row0:s.row0 + s.n].transpose(0, 1)[None]            # [1, H, n, hd]
+            ks = k_cache.index_select(0, s.read_slots).transpose(0, 1)[None]  # [1, Hkv, ctx, hd]
+            vs = v_cache.index_select(0, s.read_slots).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
+            out[s.row0:s.row0 + s.n] = o[0].transpose(0, 1)
+        return self.wo(out.view(T, -1))
+
+
+def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seq_len, hd/2] in float64: exact for float64 tests, correctly rounded when cast down."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.hd, 2, dtype=torch.float64) / cfg.hd))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding. x [T, heads, hd]; cos/sin [T, hd/2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        return F.rms_norm(xf, (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.dim, cfg.norm_eps), MLP(cfg)
+
+    def forward(self, x, cos, sin, layout, k_cache, v_cache):
+        x = x + self.attn(self.attn_norm(x), cos, sin, layout, k_cache, v_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens, layout, kv, logit_rows=None, hidden_layers=()):
+        """tokens [T] (packed rows of all sequences) -> (logits [R, V] for `logit_rows` (None: all rows),
+        {layer: hidden [T, dim]} for the requested layers; layer i is the output of block i, -1 the embeddings)."""
+        dtype = self.embed.weight.dtype
+        cos = self.rope_cos[layout.positions].to(dtype)
+        sin = self.rope_sin[layout.positions].to(dtype)
+        x = self.embed(tokens)
+        hidden = {-1: x} if -1 in hidden_layers else {}
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, layout, kv.k[i], kv.v[i])
+            if i in hidden_layers:
+                hidden[i] = x
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return logits, hidden

@@ -1,0 +1,110 @@
+"""Named model presets, and `load(name_or_path)` for presets, GGUF files and HF directories alike."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import ModelError
+from . import assets
+from .assets import cache_dir
+from .loader import load_gguf, load_hf_dir, save_hf_dir, tiny
+from .model import ModelConfig, Transformer
+from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32, "fp64": torch.float64, "float64": torch.float64}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    model: Transformer
+    tokenizer: Tokenizer | CharTokenizer
+    load_seconds: float
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+
+TINY_LLAMA = ModelConfig(arch="llama", vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                         rope_theta=10000.0, norm_eps=1e-6, max_seq_len=512)
+TINY_QWEN2 = dataclasses.replace(TINY_LLAMA, arch="qwen2", n_layers=3, qkv_bias=True, tie_embeddings=False,
+                                 rope_theta=1e6)
+
+# tiny-*: seeded random models for exact tests (float64 by default). *-draft: its target plus noise, so the pair
+# agrees part of the time, like a real draft.
+TINY: dict[str, Callable[[torch.dtype], Transformer]] = {
+    "tiny-llama": lambda dt: tiny(TINY_LLAMA, 0, dt),
+    "tiny-llama-draft": lambda dt: tiny(TINY_LLAMA, 1, dt, base_seed=0, noise=0.35),
+    "tiny-qwen2": lambda dt: tiny(TINY_QWEN2, 2, dt),
+    "tiny-qwen2-draft": lambda dt: tiny(TINY_QWEN2, 3, dt, base_seed=2, noise=0.35),
+}
+GGUF_PRESETS: dict[str, Callable[[], Path]] = {
+    "smollm2-135m": assets.smollm2_gguf_path,
+    "qwen2.5-coder-1.5b": lambda: assets.qwen_gguf_path("qwen2.5-coder-1.5b"),
+    "qwen2.5-coder-0.5b": lambda: assets.qwen_gguf_path("qwen2.5-coder-0.5b"),
+}
+PRESETS = [*GGUF_PRESETS, *TINY]
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def parse_dtype(name: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    if name is None:
+        return default
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelError(f"unknown dtype {name!r}", field="dtype", remedy=f"use one of {', '.join(DTYPES)}") from None
+
+
+def load(name: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
+    """A preset name, a .gguf file, or an HF model directory. Real models default to bf16, tiny ones to float64."""
+    t0 = time.perf_counter()
+    if name in TINY:
+        model = TINY[name](parse_dtype(dtype, torch.float64))
+        return LoadedModel(name, model, CharTokenizer(model.cfg.vocab_size), time.perf_counter() - t0)
+    dt = parse_dtype(dtype, torch.bfloat16)
+    if name in GGUF_PRESETS:
+        path = GGUF_PRESETS[name]()
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise ModelError(f"unknown model {name!r}: not a preset and no such file or directory", field="model",
+                             remedy=f"use a preset ({', '.join(PRESETS)}), a .gguf file or an HF model directory")
+    if path.is_dir():
+        model = load_hf_dir(path, dt)
+        tok = load_tokenizer(path)
+    else:
+        model = _load_gguf_cached(path, dt)
+        tok = load_tokenizer(path.parent, path.name)
+    return LoadedModel(name, model, tok, time.perf_counter() - t0)
+
+
+def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Transformer:
+    """Dequantising a GGUF (and parsing its vocabulary) costs seconds to tens of seconds; the result is kept once
+    as safetensors under the cache dir, keyed by file identity and dtype. SPECDEC_WEIGHT_CACHE=0 turns it off."""
+    if os.environ.get("SPECDEC_WEIGHT_CACHE", "1") == "0":
+        return load_gguf(path, dtype)
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
+    cached = cache_dir() / "converted" / f"{path.stem}-{key}"
+    if (cached / "model.safetensors").exists():
+        return load_hf_dir(cached, dtype)
+    model = load_gguf(path, dtype)
+    try:
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        save_hf_dir(model, tmp)
+        os.replace(tmp, cached)  # atomic: a concurrent loader sees the whole directory or none
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full or read-only cache only costs speed
+    return model
