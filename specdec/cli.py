@@ -29,18 +29,34 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for non-greedy sampling (chosen and printed if unset)")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default=None, help="ngram | layer-skip | a draft model (preset/path); "
+                                                 "unset = target-only decoding")
+    p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
+    p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"],
+                   help="for non-greedy requests (greedy requests always accept greedily)")
+    p.add_argument("--verify", default="compact", choices=["compact", "padded"], help="verify layout")
+    p.add_argument("--trace", default=None, help="write a JSONL trace (one record per request per verify step)")
+
+
 def cmd_generate(args) -> int:
     import torch
 
     from .engine.engine import Engine
     from .engine.registry import load
     from .engine.tokenizer import StreamDecoder
-    from .generate import Request, generate
+    from .spec.generator import GenRequest, SpeculativeGenerator
     from .spec.sampling import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", torch.get_num_threads())))
     lm = load(args.model, args.dtype)
     engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+    drafter = None
+    if args.draft:
+        from .draft import make_drafter
+        drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens,
+                               skip=args.draft_layers)
     tok = lm.tokenizer
     prompt = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -48,20 +64,30 @@ def cmd_generate(args) -> int:
     stream = StreamDecoder(tok)
     first: list[float] = []
 
-    def on_token(_, t):
+    def on_tokens(_, toks):
         first or first.append(time.perf_counter())
-        sys.stdout.write(stream.push([t]))
+        sys.stdout.write(stream.push(toks))
         sys.stdout.flush()
 
-    print(f"[{lm.name}: {lm.cfg.arch}, {lm.cfg.n_layers} layers, {engine.dtype}, loaded in {lm.load_seconds:.1f}s]",
+    print(f"[{lm.name}: {lm.cfg.arch}, {lm.cfg.n_layers} layers, {engine.dtype}, loaded in {lm.load_seconds:.1f}s"
+          + (f"; draft {args.draft}, gamma {args.gamma}, {args.verify} verify" if drafter else "; target-only") + "]",
           file=sys.stderr)
-    t0 = time.perf_counter()
-    out = generate(engine, [Request(prompt, params, args.max_tokens, tok.eos_ids)], on_token)[0]
-    t1 = time.perf_counter()
-    n = len(out.tokens)
-    decode_rate = (n - 1) / (t1 - first[0]) if n > 1 else float("nan")
+    trace = open(args.trace, "w") if args.trace else None
+    try:
+        # No drafter: every step verifies the anchor alone, which is plain decoding.
+        gen = SpeculativeGenerator(engine, drafter, gamma=args.gamma, mode=args.acceptance, layout=args.verify,
+                                   tokenizer=tok, trace=trace)
+        t0 = time.perf_counter()
+        out = gen.generate([GenRequest(prompt, params, args.max_tokens, tok.eos_ids)], on_tokens)[0]
+        t1 = time.perf_counter()
+    finally:
+        if trace:
+            trace.close()
+    n, s = len(out.tokens), out.stats
     seed = f", seed {out.seed}" if out.seed is not None else ""
-    print(f"\n[{n} tokens in {t1 - t0:.2f}s: {n / (t1 - t0):.1f} tokens/s overall, {decode_rate:.1f} tokens/s decode, "
+    spec = (f" AL {out.tokens_per_step:.2f} tokens/step, AR {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted}),"
+            if drafter else "")
+    print(f"\n[{n} tokens in {t1 - t0:.2f}s: {n / (t1 - t0):.1f} tokens/s,{spec} {s.steps} steps, "
           f"prompt {len(prompt)} tokens, finish {out.finish_reason}{seed}]", file=sys.stderr)
     return 0
 
@@ -71,9 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text (target-only decoding)")
+    g = sub.add_parser("generate", help="generate text, speculatively with --draft")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_spec_args(g)
     g.set_defaults(func=cmd_generate)
     args = ap.parse_args(argv)
     try:

@@ -3,13 +3,12 @@ seeded request must reproduce. A batch of requests is prefilled together, then d
 from __future__ import annotations
 
 import dataclasses
-import secrets
 from typing import Callable
 
 from .engine.engine import Engine
 from .engine.layout import SeqInput
 from .spec.sampling import SamplingParams, next_token
-from .spec.validation import validate_prompt, validate_sampling
+from .spec.validation import assign_seed, validate_prompt, validate_sampling
 
 
 @dataclasses.dataclass
@@ -27,20 +26,13 @@ class Output:
     seed: int | None
 
 
-def with_seed(params: SamplingParams) -> SamplingParams:
-    """Non-greedy requests without a seed get one now, so every request is replayable."""
-    if params.greedy or params.seed is not None:
-        return params
-    return dataclasses.replace(params, seed=secrets.randbelow(2**63))
-
-
 def generate(engine: Engine, requests: list[Request],
              on_token: Callable[[int, int], None] | None = None) -> list[Output]:
     """Decode every request to EOS/stop id or max_tokens. on_token(request index, token) streams."""
     for r in requests:  # everything is checked before any KV is taken
         validate_sampling(r.params)
         validate_prompt(r.prompt, r.max_tokens, engine.vocab_size, engine.cfg.max_seq_len)
-    params = [with_seed(r.params) for r in requests]
+    params = [assign_seed(r.params) for r in requests]
     outs = [Output([], "length", p.seed) for p in params]
     seqs = [engine.new_sequence() for _ in requests]
     try:

@@ -1,6 +1,5 @@
 """Packed ragged forward and KV rollback on float64 tiny models: exact to ~1e-12."""
 import pytest
-import torch
 
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput

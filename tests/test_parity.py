@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from specdec.engine.engine import Engine
-from specdec.engine.layout import SeqInput
 from specdec.engine.loader import load_hf_dir, save_hf_dir
 from specdec.engine.registry import load
 
@@ -26,8 +25,7 @@ PROMPTS = [
 
 
 def engine_logits(model, ids):
-    e = Engine(model, kv_tokens=1024)
-    return e.forward([SeqInput(e.new_sequence(), ids, logits="all")]).rows(0)
+    return Engine(model, kv_tokens=1024).score(ids)
 
 
 @pytest.mark.slow

@@ -66,6 +66,14 @@ class Engine:
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
 
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """Logits of every position of a whole sequence, [len(tokens), V], in a temporary KV sequence."""
+        seq = self.new_sequence()
+        try:
+            return self.forward([SeqInput(seq, tokens, logits="all")]).rows(0)
+        finally:
+            self.release(seq)
+
     def prefill(self, seqs: list[int], prompts: list[list[int]], chunk_tokens: int = 512) -> torch.Tensor:
         """Prefill many prompts, packed into forwards of at most `chunk_tokens` rows (long prompts are chunked).
         Returns the last-row logits of each prompt, [B, V]."""

@@ -43,9 +43,9 @@ TINY_QWEN2 = dataclasses.replace(TINY_LLAMA, arch="qwen2", n_layers=3, qkv_bias=
 # agrees part of the time, like a real draft.
 TINY: dict[str, Callable[[torch.dtype], Transformer]] = {
     "tiny-llama": lambda dt: tiny(TINY_LLAMA, 0, dt),
-    "tiny-llama-draft": lambda dt: tiny(TINY_LLAMA, 1, dt, base_seed=0, noise=0.35),
+    "tiny-llama-draft": lambda dt: tiny(TINY_LLAMA, 1, dt, base_seed=0, noise=0.03),
     "tiny-qwen2": lambda dt: tiny(TINY_QWEN2, 2, dt),
-    "tiny-qwen2-draft": lambda dt: tiny(TINY_QWEN2, 3, dt, base_seed=2, noise=0.35),
+    "tiny-qwen2-draft": lambda dt: tiny(TINY_QWEN2, 3, dt, base_seed=2, noise=0.03),
 }
 GGUF_PRESETS: dict[str, Callable[[], Path]] = {
     "smollm2-135m": assets.smollm2_gguf_path,

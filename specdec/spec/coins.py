@@ -25,31 +25,43 @@ class Stream(enum.IntEnum):
     RESIDUAL = 4    # residual (after a rejection) and bonus sampling
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser on uint64 arrays (wrap-around arithmetic is the point)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def _key(seed: int, position: int, stream: int) -> np.uint64:
-    """One uint64 per (seed, position, stream); each coordinate goes through the mixer so nearby keys decorrelate."""
     with np.errstate(over="ignore"):
-        k = _mix(np.array([seed & _M64], dtype=np.uint64))
-        k = _mix(k ^ np.uint64(position & _M64))
-        k = _mix(k ^ np.uint64((int(stream) * 0x9E3779B97F4A7C15) & _M64))
-    return k[0]
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def keys(seeds, positions, stream: int) -> np.ndarray:
+    """One uint64 key per (seed, position) pair for a stream; every coordinate goes through the mixer so nearby keys
+    decorrelate. seeds/positions: ints or arrays (reduced mod 2^64)."""
+    with np.errstate(over="ignore"):
+        k = mix(np.asarray(seeds, dtype=np.uint64))
+        k = mix(k ^ np.asarray(positions, dtype=np.uint64))
+        return mix(k ^ np.uint64((int(stream) * 0x9E3779B97F4A7C15) & _M64))
+
+
+def column_mix(columns) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.asarray(columns, dtype=np.uint64) * np.uint64(0xD6E8FEB86659FD93) + np.uint64(1)
+
+
+def unit(h: np.ndarray) -> np.ndarray:
+    """52 high bits, centred in their cell: (k + 0.5) / 2^52 is exact in float64 and never 0 or 1."""
+    return ((h >> np.uint64(12)).astype(np.float64) + 0.5) / float(1 << 52)
 
 
 def coins(seed: int, position: int, stream: int, columns: np.ndarray | int) -> np.ndarray:
     """Uniforms in (0, 1), float64, one per column. Pure function of its arguments."""
-    cols = np.asarray(columns, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = _mix(_key(seed, position, stream) ^ (cols * np.uint64(0xD6E8FEB86659FD93) + np.uint64(1)))
-    # 53 high bits, centred in their cell: never exactly 0 or 1.
-    return ((h >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+    return unit(mix(keys(seed & _M64, position & _M64, stream) ^ column_mix(columns)))
+
+
+def coins_many(seeds, positions, stream: int, column: int = 0) -> np.ndarray:
+    """coin(seeds[r], positions[r], stream, column) for every r: float64 [R], bit-identical to the scalar form."""
+    return unit(mix(keys(seeds, positions, stream) ^ column_mix(column)))
 
 
 def coin(seed: int, position: int, stream: int, column: int = 0) -> float:

@@ -1,0 +1,125 @@
+"""A model drafter: any smaller LM on the engine that shares the target's vocabulary, autoregressive, batched across
+sessions (one packed forward per draft slot for the whole batch), with its KV rolled back to what was committed.
+
+Layer-skip is this drafter over a subset of the target's own layers (shared weights, own KV cache)."""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+
+from ..engine.engine import Engine
+from ..engine.layout import SeqInput
+from ..engine.model import Transformer
+from ..errors import InvalidRequest, KVPoolExhausted
+from ..spec.accept import Mode, draft_sample
+from ..spec.propose import DraftItem, Drafter, Proposal, SessionTokens
+from ..spec.sampling import probs
+
+
+def layer_skip(model: Transformer, keep: str | None = None) -> Transformer:
+    """The target with only some layers, e.g. keep='0-11,18-29' (default: drop the middle fifth). Weights shared."""
+    n = model.cfg.n_layers
+    if keep is None:
+        lo, hi = int(n * 0.4), int(n * 0.6)
+        idx = [i for i in range(n) if not lo <= i < hi]
+    else:
+        idx = []
+        for part in keep.split(","):
+            a, _, b = part.partition("-")
+            idx += list(range(int(a), int(b or a) + 1))
+    if not idx or any(not 0 <= i < n for i in idx):
+        raise InvalidRequest(f"{keep!r} does not select layers of a {n}-layer model", field="draft_layers",
+                             remedy="use ranges like 0-11,18-29")
+    view = copy.copy(model)
+    view._modules = dict(model._modules)          # shallow copy must not share the module table
+    view.layers = nn.ModuleList(model.layers[i] for i in idx)
+    view.cfg = dataclasses.replace(model.cfg, n_layers=len(idx))
+    return view
+
+
+@dataclasses.dataclass
+class _Session:
+    seq: int
+    cached: list[int]          # tokens whose K/V the drafter holds, in order
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, model: Transformer, *, kv_tokens: int = 16384, name: str = "model"):
+        self.engine, self.name = Engine(model, kv_tokens=kv_tokens), name
+        self.tokens = SessionTokens()
+        self.kv: collections.OrderedDict[str, _Session] = collections.OrderedDict()   # LRU order
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def release(self, sid: str) -> None:
+        self.tokens.drop(sid)
+        s = self.kv.pop(sid, None)
+        if s is not None:
+            self.engine.release(s.seq)
+
+    def _forward(self, inputs: list[SeqInput], busy: set[str]):
+        """Forward, evicting least-recently-used idle sessions' KV when the pool is full (they are rebuilt from
+        their committed tokens if they come back)."""
+        while True:
+            try:
+                return self.engine.forward(inputs)
+            except KVPoolExhausted:
+                idle = next((sid for sid in self.kv if sid not in busy), None)
+                if idle is None:
+                    raise
+                self.engine.release(self.kv.pop(idle).seq)
+
+    def propose(self, items: list[DraftItem]) -> list[Proposal]:
+        busy = {it.sid for it in items}
+        max_len = self.engine.cfg.max_seq_len
+        todo, feeds = [], []
+        for it in items:
+            toks = self.tokens.sync(it)
+            s = self.kv.get(it.sid)
+            if s is None:
+                s = self.kv[it.sid] = _Session(self.engine.new_sequence(), [])
+            self.kv.move_to_end(it.sid)
+            # Keep the cached prefix that still matches; always re-feed at least the anchor (it yields slot 1).
+            keep = 0
+            for a, b in zip(s.cached, toks[:-1]):
+                if a != b:
+                    break
+                keep += 1
+            feeds.append(SeqInput(s.seq, toks[keep:], start=keep))
+            s.cached = toks[:]
+            gamma = max(0, min(it.gamma, max_len - len(toks)))
+            todo.append((it, s, toks, gamma))
+        drafts = {it.sid: ([], [], []) for it, *_ in todo}      # tokens, confidence, q rows
+        active = [i for i, (_, _, _, g) in enumerate(todo) if g > 0]
+        inputs = [feeds[i] for i in active]
+        for j in range(1, max((t[3] for t in todo), default=0) + 1):
+            if not inputs:
+                break
+            out = self._forward(inputs, busy)
+            nxt_active, nxt_inputs = [], []
+            for r, i in enumerate(active):
+                it, s, toks, gamma = todo[i]
+                logits = out.rows(r)[-1]
+                q = probs(logits[None], it.params)[0]
+                pos = len(toks) - 1 + j                       # slot j predicts anchor_pos + j
+                x = draft_sample(q, it.mode, it.params.seed, pos)
+                conf = q[x] if not it.params.greedy else torch.softmax(logits.double(), -1)[x]
+                t, c, qs = drafts[it.sid]
+                t.append(x), c.append(float(conf)), qs.append(q)
+                if j < gamma:                                  # the last draft token is never fed
+                    s.cached.append(x)
+                    nxt_active.append(i)
+                    nxt_inputs.append(SeqInput(s.seq, [x]))
+            active, inputs = nxt_active, nxt_inputs
+        props = []
+        for it, s, toks, _ in todo:
+            t, c, qs = drafts[it.sid]
+            q = torch.stack(qs) if qs and not it.params.greedy and it.mode == Mode.REJECTION else None
+            props.append(Proposal(anchor=toks[-1], tokens=t, confidence=c, q=q))
+        return props

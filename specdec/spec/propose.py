@@ -1,0 +1,101 @@
+"""The propose step: what a drafter is asked and what it answers (the draft block).
+
+Slot 0 of a block is the anchor — the last committed token, at position anchor_pos = committed_len - 1. Slots
+1..gamma hold draft tokens; slot j predicts position anchor_pos + j. Confidences and draft distributions cover the
+draft slots only. A drafter may return fewer than gamma tokens (an n-gram drafter with no match returns none).
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+import torch
+
+from .accept import Mode
+from .sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class DraftItem:
+    """One running request in a Propose call.
+
+    `new_tokens` are the tokens committed since this session's last call (the whole prompt on the first call);
+    `committed_len` is the request's committed length after them. A drafter that lost the session (evicted, restarted)
+    rebuilds it from `context` (all committed tokens) when given, and reports `SessionLost` otherwise."""
+    sid: str
+    new_tokens: list[int]
+    committed_len: int
+    gamma: int
+    params: SamplingParams = SamplingParams()
+    mode: Mode = Mode.GREEDY
+    context: list[int] | None = None
+
+
+@dataclasses.dataclass
+class SparseRows:
+    """Draft distributions that are zero outside a few ids per slot (top-k/top-p truncation, n-gram one-hots):
+    ids [k, m] and probs [k, m], zero-padded."""
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        out = torch.zeros(self.ids.shape[0], vocab_size, dtype=torch.float64)
+        return out.scatter_add_(1, self.ids, self.probs.to(torch.float64))
+
+
+@dataclasses.dataclass
+class Proposal:
+    anchor: int
+    tokens: list[int]                      # <= gamma draft tokens
+    confidence: list[float]                # draft probability of each chosen token
+    q: torch.Tensor | SparseRows | None = None  # exact draft distribution per slot (dense [k, V] or sparse);
+    #                                             None for greedy requests, whose acceptance does not use it
+
+    def __post_init__(self):
+        assert len(self.tokens) == len(self.confidence)
+
+    def q_dense(self, vocab_size: int) -> torch.Tensor:
+        return self.q.dense(vocab_size) if isinstance(self.q, SparseRows) else self.q
+
+
+class SessionLost(Exception):
+    """The drafter has no (or a diverged) session and no context to rebuild it from."""
+
+    def __init__(self, sid: str):
+        super().__init__(f"draft session {sid} lost; resend with context")
+        self.sid = sid
+
+
+class Drafter(abc.ABC):
+    """Proposes draft blocks for many sessions at once and keeps each session in sync with what was committed."""
+
+    name: str = "drafter"
+
+    @abc.abstractmethod
+    def propose(self, items: list[DraftItem]) -> list[Proposal]:
+        ...
+
+    @abc.abstractmethod
+    def release(self, sid: str) -> None:
+        ...
+
+
+class SessionTokens:
+    """Committed tokens per session as a drafter knows them, synchronised from DraftItems."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+
+    def sync(self, item: DraftItem) -> list[int]:
+        base = item.committed_len - len(item.new_tokens)      # tokens the drafter must already know
+        known = self.tokens.get(item.sid, [] if base == 0 else None)
+        toks = known[:base] + list(item.new_tokens) if known is not None and len(known) >= base else None
+        if item.context is not None and toks != item.context:  # lost or diverged: rebuild from the full context
+            toks = list(item.context)
+        if toks is None:
+            raise SessionLost(item.sid)
+        self.tokens[item.sid] = toks
+        return toks
+
+    def drop(self, sid: str) -> None:
+        self.tokens.pop(sid, None)

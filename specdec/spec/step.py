@@ -1,0 +1,146 @@
+"""One speculative step for a batch of running requests: propose -> plan -> layout + verify -> accept -> commit.
+
+The target KV of a request holds every committed token except the last one, the anchor; a step feeds the anchor plus
+the drafts it verifies, and the commit truncates the KV back to "everything committed but the new anchor". So a
+rejected draft costs nothing to undo, and a step with no drafts (drafter down, nothing proposed) is exactly one step of
+plain decoding.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import torch
+
+from ..engine.engine import Engine
+from .accept import Mode, accept
+from .propose import DraftItem, Drafter, Proposal
+from .sampling import SamplingParams, probs
+from .verify import VerifyItem, verify
+
+
+@dataclasses.dataclass
+class RequestStats:
+    steps: int = 0
+    drafted: int = 0                       # draft tokens verified
+    accepted: int = 0
+    fallback_steps: int = 0                # steps run as plain decoding because the drafter failed
+    drafted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def tokens_per_step(self, emitted: int) -> float:
+        return emitted / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass
+class SpecRequest:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    mode: Mode
+    gamma: int
+    stop_ids: frozenset[int] = frozenset()
+    seq: int = -1                          # target KV sequence
+    output: list[int] = dataclasses.field(default_factory=list)
+    draft_seen: int = 0                    # committed tokens already sent to the drafter
+    finish_reason: str | None = None
+    stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+
+    @property
+    def committed(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def committed_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+
+@dataclasses.dataclass
+class StepInfo:
+    rows: int                              # target rows the verify forward ran
+    verify_len: list[int]
+    accepted: list[int]
+    emitted: list[list[int]]
+    draft_ok: bool
+    draft_ms: float
+    verify_ms: float
+    accept_ms: float
+
+
+def plan_full(reqs: list[SpecRequest], props: list[Proposal]) -> list[int]:
+    """Verify every proposed draft, but never more rows than tokens the request may still emit."""
+    return [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) for r, p in zip(reqs, props)]
+
+
+Planner = Callable[[list[SpecRequest], list[Proposal]], list[int]]
+
+
+def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecRequest], *, layout: str = "compact",
+                     plan: Planner = plan_full) -> StepInfo:
+    t0 = time.perf_counter()
+    # 1. propose: one batched call; each request sends what was committed since its last call
+    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, r.gamma, r.params, r.mode,
+                       context=r.committed) for r in reqs]
+    try:
+        props = drafter.propose(items) if drafter is not None else None
+    except Exception:  # noqa: BLE001 - any drafter fault degrades this step to plain decoding, never fails it
+        props = None
+    draft_ok = props is not None
+    if props is None:
+        props = [Proposal(r.committed[-1], [], []) for r in reqs]
+    else:
+        for r in reqs:
+            r.draft_seen = r.committed_len
+    t1 = time.perf_counter()
+
+    # 2. plan, 3. layout + verify
+    vlen = plan(reqs, props)
+    logits, rows = verify(target, [VerifyItem(r.seq, r.committed_len - 1, r.committed[-1], p.tokens, v)
+                                   for r, p, v in zip(reqs, props, vlen)], layout, width=max(r.gamma for r in reqs) + 1)
+    t2 = time.perf_counter()
+
+    # 4. accept, vectorised over the ragged batch
+    V = target.vocab_size
+    p = torch.cat([probs(lg, r.params) for lg, r in zip(logits, reqs)])
+    drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long)
+    q = None
+    if any(r.mode is Mode.REJECTION and v > 1 for r, v in zip(reqs, vlen)):
+        q = torch.cat([pr.q_dense(V)[:v - 1] if r.mode is Mode.REJECTION else torch.zeros(v - 1, V, dtype=torch.float64)
+                       for r, pr, v in zip(reqs, props, vlen)])
+    cu_rows = torch.tensor([0] + vlen).cumsum(0)
+    out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
+                 [r.committed_len for r in reqs])
+
+    # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
+    emitted = []
+    for i, (r, v) in enumerate(zip(reqs, vlen)):
+        toks = out.tokens[i][:r.max_tokens - len(r.output)]
+        stop = next((k for k, t in enumerate(toks) if t in r.stop_ids), None)
+        if stop is not None:
+            toks, r.finish_reason = toks[:stop + 1], "stop"
+        elif len(r.output) + len(toks) >= r.max_tokens:
+            r.finish_reason = "length"
+        r.output += toks
+        emitted.append(toks)
+        target.truncate(r.seq, min(target.length(r.seq), r.committed_len - 1))
+        a = int(out.num_accepted[i])
+        s = r.stats
+        s.steps += 1
+        s.fallback_steps += not draft_ok
+        s.drafted += v - 1
+        s.accepted += a
+        grow = r.gamma - len(s.drafted_per_pos)
+        s.drafted_per_pos += [0] * grow
+        s.accepted_per_pos += [0] * grow
+        for j in range(v - 1):
+            s.drafted_per_pos[j] += 1
+            s.accepted_per_pos[j] += j < a
+    t3 = time.perf_counter()
+    return StepInfo(rows, vlen, out.num_accepted.tolist(), emitted, draft_ok,
+                    (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)

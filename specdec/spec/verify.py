@@ -1,0 +1,48 @@
+"""Verify layouts: how draft blocks of many requests become one target forward.
+
+compact: request i brings exactly verify_len_i rows — its anchor and its first verify_len_i - 1 draft tokens — so the
+         forward runs sum(verify_len) rows and a shorter verify_len saves real compute.
+padded:  every request brings W = gamma + 1 rows (missing drafts padded); rows past verify_len are computed and thrown
+         away. The fixed shape is what graph capture wants; here it is the A/B baseline and fallback.
+
+Either way each request gets the target logits of its first verify_len rows, and its KV holds the anchor and drafts
+until the commit truncates it to what was accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..engine.engine import Engine
+from ..engine.layout import SeqInput
+
+LAYOUTS = ("compact", "padded")
+PAD_TOKEN = 0
+
+
+@dataclasses.dataclass
+class VerifyItem:
+    seq: int                  # the request's target KV sequence
+    anchor_pos: int           # committed_len - 1
+    anchor: int
+    drafts: list[int]
+    verify_len: int           # 1 .. len(drafts) + 1
+
+
+def verify(engine: Engine, items: list[VerifyItem], layout: str = "compact", width: int | None = None
+           ) -> tuple[list[torch.Tensor], int]:
+    """Target logits [verify_len_i, V] per item and the number of rows the forward ran."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown verify layout {layout!r}")
+    inputs = []
+    for it in items:
+        assert 1 <= it.verify_len <= len(it.drafts) + 1
+        if layout == "compact":
+            rows = [it.anchor] + it.drafts[:it.verify_len - 1]
+        else:
+            w = min(width or max(len(i.drafts) + 1 for i in items), engine.cfg.max_seq_len - it.anchor_pos)
+            rows = ([it.anchor] + it.drafts + [PAD_TOKEN] * w)[:w]
+        inputs.append(SeqInput(it.seq, rows, start=it.anchor_pos, logits="all"))
+    out = engine.forward(inputs)
+    return [out.rows(i)[:it.verify_len] for i, it in enumerate(items)], out.layout.tokens.numel()

@@ -1,0 +1,77 @@
+import pytest
+import torch
+
+from specdec.draft import make_drafter
+from specdec.draft.model import ModelDrafter, layer_skip
+from specdec.draft.ngram import lookup
+from specdec.engine.engine import Engine
+from specdec.engine.layout import SeqInput
+from specdec.engine.registry import load
+from specdec.errors import InvalidRequest
+from specdec.spec.accept import Mode
+from specdec.spec.propose import DraftItem, SessionLost, SparseRows
+from specdec.spec.sampling import SamplingParams
+
+
+def test_ngram_lookup_latest_longest_match():
+    toks = [1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]
+    assert lookup(toks, 2) == [8, 5]             # latest earlier match of the 3-gram [1, 2, 3]
+    assert lookup(toks, 10) == [8, 5, 1, 2, 3]   # continuation may run into the tail itself
+    assert lookup([4, 5, 6, 7], 3) == []         # no repeat: nothing proposed
+    assert lookup([7, 1, 7], 2) == [1, 7]        # falls back to shorter n-grams
+
+
+def test_ngram_q_is_one_hot_for_sampled_requests():
+    d = make_drafter("ngram")
+    item = DraftItem("r", [5, 6, 5], 3, 2, SamplingParams(temperature=1.0, seed=1), Mode.REJECTION)
+    prop = d.propose([item])[0]
+    assert prop.anchor == 5 and prop.tokens == [6, 5]
+    assert torch.equal(prop.q_dense(8), torch.nn.functional.one_hot(torch.tensor([6, 5]), 8).double())
+
+
+def test_session_sync_and_loss():
+    d = make_drafter("ngram")
+    d.propose([DraftItem("r", [1, 2, 3], 3, 2)])
+    d.propose([DraftItem("r", [4, 5], 5, 2)])                      # appended
+    assert d.sessions.tokens["r"] == [1, 2, 3, 4, 5]
+    with pytest.raises(SessionLost):
+        d.propose([DraftItem("gone", [7], 9, 2)])                  # unknown, and no context to rebuild from
+    d.propose([DraftItem("gone", [7], 4, 2, context=[1, 2, 3, 7])])
+    assert d.sessions.tokens["gone"] == [1, 2, 3, 7]
+
+
+def test_model_drafter_rolls_back_to_committed():
+    """After a rejection the drafter's KV must match a fresh session on the committed tokens."""
+    draft = load("tiny-llama-draft").model
+    d = ModelDrafter(draft, kv_tokens=1024)
+    first = d.propose([DraftItem("r", [1, 2, 3, 4], 4, 4)])[0]
+    committed = [1, 2, 3, 4, first.tokens[0], (first.tokens[1] + 1) % 96]   # one accepted, then a correction
+    again = d.propose([DraftItem("r", committed[4:], 6, 3)])[0]
+    fresh = ModelDrafter(draft, kv_tokens=1024).propose([DraftItem("x", committed, 6, 3)])[0]
+    assert again.tokens == fresh.tokens and again.confidence == pytest.approx(fresh.confidence, abs=1e-12)
+
+
+def test_layer_skip_shares_weights_and_leaves_target_intact():
+    target = load("tiny-qwen2").model
+    view = layer_skip(target, "0,2")
+    assert view.cfg.n_layers == 2 and target.cfg.n_layers == 3 and len(target.layers) == 3
+    assert view.layers[1] is target.layers[2]
+    e = Engine(view)
+    assert e.forward([SeqInput(e.new_sequence(), [1, 2, 3])]).rows(0).shape == (1, 96)
+    with pytest.raises(InvalidRequest, match="draft_layers"):
+        layer_skip(target, "0-7")
+
+
+def test_model_drafter_q_matches_its_sampler():
+    draft = load("tiny-llama-draft").model
+    d = ModelDrafter(draft)
+    p = SamplingParams(temperature=0.9, top_k=10, seed=4)
+    prop = d.propose([DraftItem("r", [1, 2, 3], 3, 4, p, Mode.REJECTION)])[0]
+    assert prop.q.shape == (4, 96)
+    for j, (t, c) in enumerate(zip(prop.tokens, prop.confidence)):
+        assert prop.q[j, t] == c > 0 and (prop.q[j] > 0).sum() <= 10
+
+
+def test_sparse_rows_dense():
+    s = SparseRows(torch.tensor([[1, 3], [0, 0]]), torch.tensor([[0.25, 0.75], [1.0, 0.0]], dtype=torch.float64))
+    assert s.dense(4).tolist() == [[0, 0.25, 0, 0.75], [1.0, 0, 0, 0]]
