@@ -14,7 +14,12 @@ MAX_TOKENS ?= 64
 
 .PHONY: install run test test-fast bench-engine models-qwen clean
 
-install: $(VENV)/.installed
+STUBS := specdec/v1/specdec_pb2.py specdec/v1/specdec_pb2_grpc.py
+install: $(VENV)/.installed $(STUBS)
+
+# gRPC stubs are generated from the .proto by grpcio-tools at build time (never committed, so they cannot drift).
+$(STUBS) &: proto/specdec/v1/specdec.proto $(VENV)/.installed
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. $<
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -4,6 +4,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import shutil
+import socket
+import subprocess
+import time
+
 import pytest
 import torch
 
@@ -34,3 +39,40 @@ def smollm2():
 
 def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """The machine's Redis on 127.0.0.1:6379; when nothing answers there, a redis-server started for the session."""
+    if _redis_answers(6379):
+        yield "redis://127.0.0.1:6379/0"
+        return
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("tests need Redis: nothing answers on 127.0.0.1:6379 and no redis-server is installed "
+                    "(apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    for _ in range(100):
+        if _redis_answers(port):
+            break
+        time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(10)

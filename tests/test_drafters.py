@@ -34,10 +34,20 @@ def test_session_sync_and_loss():
     d.propose([DraftItem("r", [1, 2, 3], 3, 2)])
     d.propose([DraftItem("r", [4, 5], 5, 2)])                      # appended
     assert d.sessions.tokens["r"] == [1, 2, 3, 4, 5]
+    # unknown, and no context to rebuild from: None for that item only, the others are answered
+    assert d.propose([DraftItem("gone", [7], 9, 2), DraftItem("r", [6], 6, 2)])[0] is None
     with pytest.raises(SessionLost):
-        d.propose([DraftItem("gone", [7], 9, 2)])                  # unknown, and no context to rebuild from
+        d.sessions.sync(DraftItem("gone", [7], 9, 2))
     d.propose([DraftItem("gone", [7], 4, 2, context=[1, 2, 3, 7])])
     assert d.sessions.tokens["gone"] == [1, 2, 3, 7]
+
+
+def test_model_drafter_answers_lost_sessions_per_item():
+    d = ModelDrafter(load("tiny-llama-draft").model, kv_tokens=1024)
+    out = d.propose([DraftItem("a", [1, 2, 3], 3, 2), DraftItem("lost", [5], 9, 2), DraftItem("b", [4, 5], 2, 2)])
+    assert out[1] is None and len(out[0].tokens) == 2 and len(out[2].tokens) == 2
+    again = d.propose([DraftItem("lost", [5], 9, 2, context=[1, 2, 3, 4, 5, 6, 7, 8, 5])])[0]
+    assert len(again.tokens) == 2
 
 
 def test_model_drafter_rolls_back_to_committed():

@@ -16,7 +16,7 @@ from ..engine.layout import SeqInput
 from ..engine.model import Transformer
 from ..errors import InvalidRequest, KVPoolExhausted
 from ..spec.accept import Mode, draft_sample
-from ..spec.propose import DraftItem, Drafter, Proposal, SessionTokens
+from ..spec.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
 from ..spec.sampling import probs
 
 
@@ -75,12 +75,22 @@ class ModelDrafter(Drafter):
                     raise
                 self.engine.release(self.kv.pop(idle).seq)
 
-    def propose(self, items: list[DraftItem]) -> list[Proposal]:
+    def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
+        lost = set()
+        for k, it in enumerate(items):
+            try:
+                self.tokens.sync(it)
+            except SessionLost:
+                lost.add(k)
+        answers = iter(self._propose([it for k, it in enumerate(items) if k not in lost]))
+        return [None if k in lost else next(answers) for k in range(len(items))]
+
+    def _propose(self, items: list[DraftItem]) -> list[Proposal]:
         busy = {it.sid for it in items}
         max_len = self.engine.cfg.max_seq_len
         todo, feeds = [], []
         for it in items:
-            toks = self.tokens.sync(it)
+            toks = self.tokens.tokens[it.sid]
             s = self.kv.get(it.sid)
             if s is None:
                 s = self.kv[it.sid] = _Session(self.engine.new_sequence(), [])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.propose import DraftItem, Drafter, Proposal, SessionTokens, SparseRows
+from ..spec.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
 
 
 def lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -26,10 +26,14 @@ class NgramDrafter(Drafter):
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n, self.sessions = max_n, min_n, SessionTokens()
 
-    def propose(self, items: list[DraftItem]) -> list[Proposal]:
+    def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
         out = []
         for it in items:
-            toks = self.sessions.sync(it)
+            try:
+                toks = self.sessions.sync(it)
+            except SessionLost:
+                out.append(None)
+                continue
             cont = lookup(toks, it.gamma, self.max_n, self.min_n)
             q = None if it.params.greedy else SparseRows(torch.tensor(cont, dtype=torch.long).reshape(-1, 1),
                                                          torch.ones(len(cont), 1, dtype=torch.float64))

@@ -21,7 +21,8 @@ class DraftItem:
 
     `new_tokens` are the tokens committed since this session's last call (the whole prompt on the first call);
     `committed_len` is the request's committed length after them. A drafter that lost the session (evicted, restarted)
-    rebuilds it from `context` (all committed tokens) when given, and reports `SessionLost` otherwise."""
+    rebuilds it from `context` (all committed tokens) when given; otherwise its answer for this item is None and the
+    caller resends the item with context."""
     sid: str
     new_tokens: list[int]
     committed_len: int
@@ -72,8 +73,8 @@ class Drafter(abc.ABC):
     name: str = "drafter"
 
     @abc.abstractmethod
-    def propose(self, items: list[DraftItem]) -> list[Proposal]:
-        ...
+    def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
+        """One answer per item, in order; None where the session was lost and the item carried no context."""
 
     @abc.abstractmethod
     def release(self, sid: str) -> None:

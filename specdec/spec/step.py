@@ -92,11 +92,11 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     except Exception:  # noqa: BLE001 - any drafter fault degrades this step to plain decoding, never fails it
         props = None
     draft_ok = props is not None
-    if props is None:
-        props = [Proposal(r.committed[-1], [], []) for r in reqs]
-    else:
-        for r in reqs:
-            r.draft_seen = r.committed_len
+    if props is not None:
+        for r, pr in zip(reqs, props):
+            r.draft_seen = r.committed_len if pr is not None else 0   # lost session: full context next time
+    # no proposal (drafter down, or it lost this session): verify the anchor alone, i.e. plain decoding
+    props = [pr or Proposal(r.committed[-1], [], []) for r, pr in zip(reqs, props or [None] * len(reqs))]
     t1 = time.perf_counter()
 
     # 2. plan, 3. layout + verify

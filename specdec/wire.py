@@ -1,0 +1,81 @@
+"""Conversions between the library's types and the protobuf messages of proto/specdec/v1 (both services use them)."""
+from __future__ import annotations
+
+import torch
+
+from .spec.accept import Mode
+from .spec.propose import DraftItem, Proposal, SparseRows
+from .spec.sampling import SamplingParams
+from .v1 import specdec_pb2 as pb
+
+MODE_TO_PB = {Mode.GREEDY: pb.GREEDY, Mode.REJECTION: pb.REJECTION, Mode.COUPLED: pb.COUPLED}
+MODE_FROM_PB = {v: k for k, v in MODE_TO_PB.items()}
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    m = pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p)
+    if p.seed is not None:
+        m.seed = p.seed
+    return m
+
+
+def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.top_p > 0 else 1.0,
+                          min_p=m.min_p, seed=m.seed if m.HasField("seed") else None)
+
+
+def mode_from_pb(v: int, default: Mode | None = None) -> Mode | None:
+    return MODE_FROM_PB.get(v, default)
+
+
+def item_to_pb(it: DraftItem, with_context: bool = False) -> pb.ProposeItem:
+    return pb.ProposeItem(request_id=it.sid, new_tokens=it.new_tokens, committed_len=it.committed_len, gamma=it.gamma,
+                          sampling=params_to_pb(it.params), mode=MODE_TO_PB[Mode(it.mode)],
+                          context=it.context if with_context and it.context is not None else [])
+
+
+def item_from_pb(m: pb.ProposeItem) -> DraftItem:
+    return DraftItem(m.request_id, list(m.new_tokens), m.committed_len, m.gamma, params_from_pb(m.sampling),
+                     mode_from_pb(m.mode, Mode.GREEDY), list(m.context) if len(m.context) else None)
+
+
+def dists_to_pb(q: torch.Tensor | SparseRows | None) -> list[pb.DraftDistribution]:
+    if q is None:
+        return []
+    if isinstance(q, SparseRows):
+        out = []
+        for ids, probs in zip(q.ids.tolist(), q.probs.tolist()):
+            nz = [(i, p) for i, p in zip(ids, probs) if p > 0]
+            out.append(pb.DraftDistribution(ids=[i for i, _ in nz], probs=[p for _, p in nz]))
+        return out
+    out = []
+    for row in q:
+        ids = row.nonzero().flatten()
+        if ids.numel() * 3 < row.numel():        # sparse pays off: ids (4 B) + probs (8 B) vs 8 B per entry
+            out.append(pb.DraftDistribution(ids=ids.tolist(), probs=row[ids].tolist()))
+        else:
+            out.append(pb.DraftDistribution(probs=row.tolist()))
+    return out
+
+
+def dists_from_pb(ds, vocab_size: int) -> torch.Tensor | None:
+    """Dense float64 [k, V]; exact (float64 on the wire)."""
+    if not len(ds):
+        return None
+    q = torch.zeros(len(ds), vocab_size, dtype=torch.float64)
+    for j, d in enumerate(ds):
+        if len(d.ids):
+            q[j, torch.tensor(list(d.ids))] = torch.tensor(list(d.probs), dtype=torch.float64)
+        else:
+            q[j] = torch.tensor(list(d.probs), dtype=torch.float64)
+    return q
+
+
+def proposal_to_pb(p: Proposal) -> pb.Proposal:
+    return pb.Proposal(status=pb.Proposal.OK, anchor=p.anchor, tokens=p.tokens, confidence=p.confidence,
+                       q=dists_to_pb(p.q))
+
+
+def proposal_from_pb(m: pb.Proposal, vocab_size: int) -> Proposal:
+    return Proposal(anchor=m.anchor, tokens=list(m.tokens), confidence=list(m.confidence),
+                    q=dists_from_pb(m.q, vocab_size))
