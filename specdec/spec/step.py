@@ -85,18 +85,21 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
                      plan: Planner = plan_full) -> StepInfo:
     t0 = time.perf_counter()
     # 1. propose: one batched call; each request sends what was committed since its last call
+    spec = [r for r in reqs if r.gamma > 0]          # gamma 0: speculation off for this request
     items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, r.gamma, r.params, r.mode,
-                       context=r.committed) for r in reqs]
-    try:
-        props = drafter.propose(items) if drafter is not None else None
-    except Exception:  # noqa: BLE001 - any drafter fault degrades this step to plain decoding, never fails it
-        props = None
-    draft_ok = props is not None
-    if props is not None:
-        for r, pr in zip(reqs, props):
-            r.draft_seen = r.committed_len if pr is not None else 0   # lost session: full context next time
-    # no proposal (drafter down, or it lost this session): verify the anchor alone, i.e. plain decoding
-    props = [pr or Proposal(r.committed[-1], [], []) for r, pr in zip(reqs, props or [None] * len(reqs))]
+                       context=r.committed) for r in spec]
+    answers: dict[str, Proposal | None] = {}
+    draft_ok = True
+    if drafter is not None and items:
+        try:
+            answers = dict(zip((r.rid for r in spec), drafter.propose(items)))
+        except Exception:  # noqa: BLE001 - any drafter fault degrades this step to plain decoding, never fails it
+            draft_ok = False
+        for r in spec:
+            if r.rid in answers:  # a lost session (None) gets the full context next time
+                r.draft_seen = r.committed_len if answers[r.rid] is not None else 0
+    # no proposal (no drafter, drafter down, lost session): verify the anchor alone, i.e. plain decoding
+    props = [answers.get(r.rid) or Proposal(r.committed[-1], [], []) for r in reqs]
     t1 = time.perf_counter()
 
     # 2. plan, 3. layout + verify

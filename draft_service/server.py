@@ -1,0 +1,273 @@
+"""The gRPC draft server: `specdec.v1.Drafter` (Propose, Release) over one drafter, plus grpc.health.v1.
+
+One Propose drafts all of its items in one `drafter.propose` call (the drafter batches the engine forwards). That call
+runs in a worker thread so the event loop keeps answering health checks, and under one lock because the drafter owns
+one engine and its sessions. Sessions are keyed by request id; keeping them in sync by committed length and bounding
+their memory (LRU eviction of idle sessions' KV) is the drafter's job. Every item is checked before anything runs, so
+a bad request is refused whole (INVALID_ARGUMENT naming the field) and never leaves a half-made session.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import math
+import os
+import signal
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from specdec import wire
+from specdec.errors import InvalidRequest, KVPoolExhausted, SpecdecError
+from specdec.spec.accept import Mode
+from specdec.spec.propose import DraftItem, Drafter
+from specdec.spec.validation import validate_sampling
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+log = logging.getLogger("draft_service")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name     # "specdec.v1.Drafter"
+MAX_GAMMA = 64
+MAX_REQUEST_ID = 256
+_PB_MODES = {pb.ACCEPTANCE_MODE_UNSPECIFIED, pb.GREEDY, pb.REJECTION, pb.COUPLED}
+
+
+def _limits(drafter: Drafter) -> tuple[int | None, int | None]:
+    """(vocabulary size, context length) of a model drafter; (None, None) for one without a model (n-gram)."""
+    engine = getattr(drafter, "engine", None)
+    if engine is None:
+        return None, None
+    return engine.vocab_size, engine.cfg.max_seq_len
+
+
+def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int | None) -> DraftItem:
+    """The library item for a wire item, or InvalidRequest naming the field (items[k].<field>)."""
+    def bad(field: str, message: str, remedy: str | None = None):
+        raise InvalidRequest(message, field=f"items[{k}].{field}", remedy=remedy)
+
+    if not 0 < len(m.request_id) <= MAX_REQUEST_ID:
+        bad("request_id", f"{len(m.request_id)} characters", f"send 1..{MAX_REQUEST_ID}")
+    if m.mode not in _PB_MODES:
+        bad("mode", f"unknown acceptance mode {m.mode}", "use GREEDY, REJECTION or COUPLED")
+    s = m.sampling
+    # params_from_pb reads top_p <= 0 as "off"; only 0 means that on the wire, so refuse negatives and NaN here.
+    if math.isnan(s.top_p) or s.top_p < 0:
+        bad("sampling.top_p", f"{s.top_p!r} is out of range", "use 0 (off) or a value in (0, 1]")
+    item = wire.item_from_pb(m)
+    try:
+        validate_sampling(item.params)
+    except InvalidRequest as e:
+        bad(f"sampling.{e.field}", e.detail, e.remedy)
+    if item.params.greedy:
+        mode = Mode.GREEDY                 # greedy requests accept greedily whatever the mode says
+    elif m.mode == pb.ACCEPTANCE_MODE_UNSPECIFIED:
+        mode = Mode.REJECTION              # the default acceptance for sampled requests
+    else:
+        mode = item.mode
+    if mode is not Mode.GREEDY and item.params.seed is None:
+        bad("sampling.seed", "sampled drafting needs the request's seed",
+            "send the seed the target chose at admission")
+    if not 1 <= m.gamma <= MAX_GAMMA:
+        bad("gamma", f"{m.gamma} is out of range", f"use 1..{MAX_GAMMA}")
+    for field, toks in (("new_tokens", m.new_tokens), ("context", m.context)):
+        for t in toks:
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad(field, f"token id {t} is outside the vocabulary [0, {vocab_size or 'V'})")
+    n = m.committed_len
+    if n < 1:
+        bad("committed_len", "0: a draft block needs at least one committed token (the anchor)")
+    if n < len(m.new_tokens):
+        bad("committed_len", f"{n} is less than the {len(m.new_tokens)} new tokens")
+    if max_len is not None and n > max_len:
+        bad("committed_len", f"{n} exceeds the draft model's context of {max_len}")
+    if len(m.context):
+        if len(m.context) != n:
+            bad("context", f"{len(m.context)} tokens, but committed_len is {n}", "send all committed tokens")
+        if m.new_tokens and list(m.context[n - len(m.new_tokens):]) != list(m.new_tokens):
+            bad("context", "does not end with new_tokens")
+    return dataclasses.replace(item, mode=mode)
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self.vocab_size, self.max_len = _limits(drafter)
+        self._lock = asyncio.Lock()        # one engine: torch forwards and session tables are not re-entrant
+
+    async def _exclusive(self, fn, *args):
+        """fn(*args) in a worker thread, holding the lock until the thread is done, even when the RPC that asked
+        is cancelled (a cancelled await must not let the next call into the engine while this one still runs)."""
+        async def run():
+            async with self._lock:
+                return await asyncio.to_thread(fn, *args)
+
+        task = asyncio.ensure_future(run())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())   # an abandoned task's error is not news
+        return await asyncio.shield(task)
+
+    def _propose(self, items: list[DraftItem]) -> list[pb.Proposal]:
+        try:
+            answers = self.drafter.propose(items)
+        except Exception:
+            # A batch that failed midway may have half-updated its sessions; drop them so they come back whole
+            # through NEED_CONTEXT instead of drafting from a wrong state.
+            for it in items:
+                self.drafter.release(it.sid)
+            raise
+        return [pb.Proposal(status=pb.Proposal.NEED_CONTEXT) if a is None else wire.proposal_to_pb(a)
+                for a in answers]
+
+    async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        t0 = time.perf_counter()
+        try:
+            items = [check_item(k, m, self.vocab_size, self.max_len) for k, m in enumerate(request.items)]
+            seen = set()
+            for k, it in enumerate(items):
+                if it.sid in seen:
+                    raise InvalidRequest("appears twice in one Propose", field=f"items[{k}].request_id",
+                                         remedy="send each request once per call")
+                seen.add(it.sid)
+        except InvalidRequest as e:
+            log.info("propose refused: %s", e.field)       # the field only: messages may quote token ids
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        proposals, failure = [], None
+        if items:
+            try:
+                proposals = await self._exclusive(self._propose, items)
+            except KVPoolExhausted as e:
+                log.warning("propose: draft KV pool exhausted (%d items)", len(items))
+                failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except SpecdecError as e:
+                failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except Exception as e:       # noqa: BLE001 -- one bad batch must not take the server down
+                log.exception("propose failed (%d items)", len(items))
+                failure = (grpc.StatusCode.INTERNAL, f"draft failed: {type(e).__name__}")
+        if failure is not None:
+            await context.abort(*failure)
+        lost = sum(p.status == pb.Proposal.NEED_CONTEXT for p in proposals)
+        log.debug("propose: %d items, %d need context, %.1f ms", len(items), lost, 1e3 * (time.perf_counter() - t0))
+        return pb.ProposeResponse(proposals=proposals, drafter=self.drafter.name)
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        ids = list(request.request_ids)
+
+        def release():
+            for sid in ids:
+                self.drafter.release(sid)     # unknown ids are a no-op
+
+        if ids:
+            await self._exclusive(release)
+        return pb.ReleaseResponse()
+
+
+class _Health(HealthServicer):
+    """grpc_health's asyncio servicer, SERVING for the server and the Drafter service from the start. Its `set` is a
+    coroutine and build_server is not; before the server starts nobody watches, so the table is seeded directly."""
+
+    def __init__(self, services: tuple[str, ...]):
+        super().__init__()
+        for s in services:
+            self._server_status[s] = health_pb2.HealthCheckResponse.SERVING
+
+
+def build_server(drafter: Drafter, host: str = "127.0.0.1", port: int = 0,
+                 max_message_mb: int = 64) -> tuple[grpc.aio.Server, int]:
+    """An unstarted grpc.aio server for `drafter` and the bound port (port 0 picks a free one). Call it inside the
+    event loop that will run the server. `server.health` is its health servicer (for graceful shutdown)."""
+    limit = max_message_mb * 1024 * 1024      # dense draft distributions: gamma x vocab float64 per sampled item
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", limit)])
+    pb_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter), server)
+    server.health = _Health(("", SERVICE))
+    health_pb2_grpc.add_HealthServicer_to_server(server.health, server)
+    address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    bound = server.add_insecure_port(address)     # raises when the address cannot be bound
+    return server, bound
+
+
+def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
+    from specdec.draft import make_drafter
+
+    target = None
+    if args.drafter == "layer-skip":      # shares the target's weights, so the target is loaded here
+        from specdec.engine.registry import load
+        target = load(args.target_model, args.dtype).model
+    return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load the drafter, serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, in-flight calls get 5 s."""
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # Loading takes seconds (real models); in a thread, so a signal meanwhile still ends the process cleanly.
+    drafter = await asyncio.to_thread(make_drafter_from_args, args)
+    if stop.is_set():
+        return
+    try:
+        server, port = build_server(drafter, args.host, args.port, args.max_message_mb)
+    except RuntimeError as e:             # grpc's "failed to bind"
+        raise SpecdecError(f"cannot listen on {args.host}:{args.port} ({e})", field="port",
+                           remedy="pick a free port or another --host") from None
+    await server.start()
+    print(f"draft server: drafter {drafter.name} on {args.host}:{port}", flush=True)
+    await stop.wait()
+    log.info("draft server: shutting down")
+    await server.health.enter_graceful_shutdown()
+    await server.stop(grace=5)
+
+
+def _env(name: str, default):
+    return os.environ.get(name, default)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec gRPC draft server")
+    p.add_argument("--host", default=_env("SPECDEC_DRAFT_HOST", "127.0.0.1"),
+                   help="bind address (loopback by default; 0.0.0.0 to serve other hosts) [SPECDEC_DRAFT_HOST]")
+    p.add_argument("--port", type=int, default=int(_env("SPECDEC_DRAFT_PORT", 50061)), help="[SPECDEC_DRAFT_PORT]")
+    p.add_argument("--drafter", default=_env("SPECDEC_DRAFTER", "ngram"),
+                   help="ngram | layer-skip | a draft model preset or path [SPECDEC_DRAFTER]")
+    p.add_argument("--target-model", default=_env("SPECDEC_TARGET_MODEL", "smollm2-135m"),
+                   help="the target model whose layers layer-skip keeps [SPECDEC_TARGET_MODEL]")
+    p.add_argument("--draft-layers", default=_env("SPECDEC_DRAFT_LAYERS", None),
+                   help="layer-skip: target layers to keep, e.g. 0-11,18-29 [SPECDEC_DRAFT_LAYERS]")
+    p.add_argument("--dtype", default=_env("SPECDEC_DTYPE", None),
+                   help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*) [SPECDEC_DTYPE]")
+    p.add_argument("--kv-tokens", type=int, default=int(_env("SPECDEC_KV_TOKENS", 16384)),
+                   help="draft KV pool in tokens; idle sessions are evicted (LRU) when full [SPECDEC_KV_TOKENS]")
+    p.add_argument("--max-message-mb", type=int, default=int(_env("SPECDEC_MAX_MESSAGE_MB", 64)),
+                   help="gRPC send/receive message limit [SPECDEC_MAX_MESSAGE_MB]")
+    p.add_argument("--threads", type=int, default=int(_env("SPECDEC_THREADS", 0)),
+                   help="torch threads (0 = torch's default) [SPECDEC_THREADS]")
+    args = p.parse_args(argv)
+    if not 0 <= args.port < 65536:
+        p.error(f"--port {args.port} is out of range")
+    if args.kv_tokens < 1 or args.max_message_mb < 1 or args.threads < 0:
+        p.error("--kv-tokens and --max-message-mb must be positive, --threads non-negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=os.environ.get("SPECDEC_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        asyncio.run(serve(args))
+    except SpecdecError as e:        # bad model/dtype/layers, address in use: one line, no traceback
+        print(f"draft server: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,1 @@
+"""The target (verify) server: continuous-batching scheduler, REST (OpenAI-compatible) and gRPC front ends."""

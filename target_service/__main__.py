@@ -1,0 +1,136 @@
+"""python -m target_service — the verify server: REST (OpenAI-compatible) and gRPC on their own ports.
+
+Every flag has an environment fallback (SPECDEC_*), so the same image runs from flags or env (compose, k8s).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+log = logging.getLogger("specdec.target")
+
+
+def env(name: str, default=None):
+    return os.environ.get(f"SPECDEC_{name}", default)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="target_service", description=__doc__)
+    ap.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address for REST and gRPC")
+    ap.add_argument("--port", type=int, default=int(env("PORT", 8000)), help="REST port")
+    ap.add_argument("--grpc-port", type=int, default=int(env("GRPC_PORT", 50051)), help="gRPC port (0 = off)")
+    ap.add_argument("--model", default=env("MODEL", "smollm2-135m"), help="target model preset or path")
+    ap.add_argument("--dtype", default=env("DTYPE"), help="bf16 | fp32 | fp64 (default: bf16; fp64 for tiny-*)")
+    ap.add_argument("--kv-tokens", type=int, default=int(env("KV_TOKENS", 32768)))
+    ap.add_argument("--draft", default=env("DRAFT_ADDR", ""),
+                    help="draft server host:port; 'ngram' drafts in process; empty = no speculation")
+    ap.add_argument("--draft-name", default=env("DRAFT_NAME", ""), help="the draft model's name, for the records")
+    ap.add_argument("--draft-deadline-ms", type=float, default=float(env("DRAFT_DEADLINE_MS", 1000)))
+    ap.add_argument("--gamma", type=int, default=int(env("GAMMA", 4)))
+    ap.add_argument("--acceptance", default=env("ACCEPTANCE", "rejection"), choices=["rejection", "coupled"])
+    ap.add_argument("--verify", default=env("VERIFY", "compact"), choices=["compact", "padded"])
+    ap.add_argument("--max-running", type=int, default=int(env("MAX_RUNNING", 16)))
+    ap.add_argument("--max-queue", type=int, default=int(env("MAX_QUEUE", 64)))
+    ap.add_argument("--redis-url", default=env("REDIS_URL", ""), help="empty: the embedded in-memory store")
+    ap.add_argument("--redis-namespace", default=env("REDIS_NAMESPACE", "specdec"))
+    ap.add_argument("--state-ttl-s", type=int, default=int(env("STATE_TTL_S", 86400)))
+    ap.add_argument("--instance-id", default=env("INSTANCE_ID"))
+    ap.add_argument("--api-keys", default=env("API_KEYS", ""), help="comma-separated; empty = no auth")
+    ap.add_argument("--trace", default=env("TRACE"), help="JSONL trace file (one record per request per step)")
+    ap.add_argument("--threads", type=int, default=int(env("THREADS", 0)), help="torch threads (0 = default)")
+    ap.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    ap.add_argument("--fault-step-delay-ms", type=float, default=float(env("FAULT_STEP_DELAY_MS", 0)),
+                    help="fault injection for tests: sleep this long after every step")
+    return ap
+
+
+async def serve(args) -> None:
+    import torch
+    import uvicorn
+
+    from specdec.engine.engine import Engine
+    from specdec.engine.registry import load
+    from specdec.spec.generator import TraceWriter
+    from specdec.state import open_store
+
+    from .draft_client import RemoteDrafter
+    from .grpc_server import build_grpc_server, set_health
+    from .metrics import Metrics
+    from .rest import create_app
+    from .scheduler import Scheduler, SchedulerConfig
+    from .service import TargetService
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load(args.model, args.dtype)
+    engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+    drafter, draft_name = None, args.draft_name or args.draft or "none"
+    if args.draft == "ngram":
+        from specdec.draft.ngram import NgramDrafter
+        drafter = NgramDrafter()
+    elif args.draft:
+        drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000)
+    store = open_store(args.redis_url or None, namespace=args.redis_namespace, ttl_s=args.state_ttl_s)
+    metrics = Metrics(lm.name)
+    trace = TraceWriter(open(args.trace, "a", buffering=1)) if args.trace else None
+    cfg = SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue, layout=args.verify,
+                          step_delay_s=args.fault_step_delay_ms / 1000)
+    if args.instance_id:
+        cfg.instance_id = args.instance_id
+    sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace)
+    svc = TargetService(engine, sched, store, lm.tokenizer, model_name=lm.name, draft_name=draft_name,
+                        gamma=args.gamma, mode=args.acceptance, metrics=metrics)
+    keys = frozenset(k for k in args.api_keys.split(",") if k)
+    app = create_app(svc, metrics, keys)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, lifespan="off"))
+    server.install_signal_handlers = lambda: None   # we handle SIGTERM/SIGINT below, for both servers
+    grpc_server = health = None
+    if args.grpc_port:
+        grpc_server, gport, health = build_grpc_server(svc, args.host, args.grpc_port, api_keys=keys)
+        await grpc_server.start()
+        await set_health(health, True)
+    sched.start()
+    print(f"target server: {lm.name} ({engine.dtype}) REST http://{args.host}:{args.port} "
+          f"gRPC {args.host}:{args.grpc_port or 'off'}; draft {draft_name}; state store "
+          f"{'redis ' + args.redis_url if args.redis_url else 'in-memory (embedded; no Redis URL set)'}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    rest_task = asyncio.create_task(server.serve())
+    await stop.wait()
+    if health:
+        await set_health(health, False)
+    server.should_exit = True
+    if grpc_server:
+        await grpc_server.stop(grace=5)
+    await rest_task
+    await sched.stop()
+    await store.close()
+    if trace:
+        trace.f.close()
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from specdec.errors import SpecdecError
+    try:
+        asyncio.run(serve(args))
+    except SpecdecError as e:
+        print(f"target_service: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

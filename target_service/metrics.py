@@ -1,0 +1,56 @@
+"""Prometheus metrics, named like vLLM's (prefix specdec: instead of vllm:) so existing dashboards carry over."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specdec.spec.step import StepInfo
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20)
+
+
+class Metrics:
+    def __init__(self, model: str):
+        self.registry = r = CollectorRegistry()
+        lab = {"model_name": model}
+        self.labels = lab
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, ["model_name", *extra], registry=r)
+
+        self.num_drafts = counter("specdec:spec_decode_num_drafts", "Verify steps that carried draft tokens.")
+        self.num_draft_tokens = counter("specdec:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.num_accepted_tokens = counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position.", ["position"])
+        self.fallback_steps = counter("specdec:spec_decode_fallback_steps",
+                                      "Request-steps run as plain decoding because the drafter failed.")
+        self.generation_tokens = counter("specdec:generation_tokens", "Generated tokens.")
+        self.prompt_tokens = counter("specdec:prompt_tokens", "Prompt tokens admitted.")
+        self.requests = counter("specdec:request_success", "Finished requests.", ["finished_reason"])
+        self.verify_rows = counter("specdec:verify_rows", "Target rows run by verify forwards.")
+        self.steps = counter("specdec:scheduler_steps", "Speculative steps run.")
+        self.running = Gauge("specdec:num_requests_running", "Requests in the running batch.", ["model_name"],
+                             registry=r).labels(**lab)
+        self.waiting = Gauge("specdec:num_requests_waiting", "Requests waiting for admission.", ["model_name"],
+                             registry=r).labels(**lab)
+        self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", ["model_name"],
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
+        self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between streamed tokens.", ["model_name"],
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
+
+    def observe_step(self, jobs, info: StepInfo) -> None:
+        lab = self.labels
+        self.steps.labels(**lab).inc()
+        self.verify_rows.labels(**lab).inc(info.rows)
+        for j, v, a, toks in zip(jobs, info.verify_len, info.accepted, info.emitted):
+            self.generation_tokens.labels(**lab).inc(len(toks))
+            if not info.draft_ok:
+                self.fallback_steps.labels(**lab).inc()
+            if v > 1:
+                self.num_drafts.labels(**lab).inc()
+                self.num_draft_tokens.labels(**lab).inc(v - 1)
+                self.num_accepted_tokens.labels(**lab).inc(a)
+                for pos in range(a):
+                    self.accepted_per_pos.labels(position=str(pos), **lab).inc()
+            if j.req.finish_reason:
+                self.requests.labels(finished_reason=j.req.finish_reason, **lab).inc()
