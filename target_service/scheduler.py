@@ -169,6 +169,7 @@ class Scheduler:
                 await self._release(failed)
 
     async def _step(self) -> None:
+        t_start = time.perf_counter()
         batch = list(self.running)
         before = [(len(j.req.output), j.req.draft_seen) for j in batch]
         async with self.engine_lock:
@@ -181,6 +182,7 @@ class Scheduler:
                           status="finished" if j.req.finish_reason else None, finish_reason=j.req.finish_reason,
                           stats=dataclasses.asdict(j.req.stats) if j.req.finish_reason else None)
                    for j, (n0, _), toks in zip(batch, before, info.emitted)]
+        t_commit = time.perf_counter()
         try:
             ok = await self.store.commit(commits)
         except StoreUnavailable:
@@ -192,9 +194,9 @@ class Scheduler:
             return
         now = time.perf_counter()
         if self.metrics:
-            self.metrics.observe_step(batch, info)
+            self.metrics.observe_step(batch, info, now - t_start)
         if self.trace:
-            self.trace.write([j.req for j in batch], info)
+            self.trace.write([j.req for j in batch], info, commit_ms=(now - t_commit) * 1e3)
         for j, good, toks in zip(batch, ok, info.emitted):
             if not good:
                 j.events.put_nowait(Event([], "", error="request is owned by another target instance"))

@@ -32,8 +32,16 @@ class ForwardOutput:
 
 
 class Engine:
-    def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16):
+    """`compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
+    the dense block kernels compiled (torch.compile, one fixed-shape graph per tier, shared by all layers); ragged
+    layouts and other row counts run eager. The CPU twin of CUDA-graph capture on fixed batch tiers."""
+
+    def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16,
+                 compile_tiers: tuple[int, ...] = ()):
         self.model = model.eval()
+        self.compile_tiers = frozenset(compile_tiers)
+        self._compiled = None
+        self.path_counts = {"compiled": 0, "eager": 0}
         self.cfg = model.cfg
         self.dtype = model.embed.weight.dtype
         self.device = model.embed.weight.device
@@ -61,10 +69,23 @@ class Engine:
     def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
         self.rows_processed += layout.tokens.numel()
+        kernels = self.kernels_for(layout)
+        self.path_counts["compiled" if kernels else "eager"] += 1
         logits, hidden = self.model(layout.tokens.to(self.device), layout, self.kv, layout.logit_rows.to(self.device),
-                                    hidden_layers)
+                                    hidden_layers, kernels)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
+
+    def kernels_for(self, layout: Layout):
+        """The tier gate: compiled kernels for a uniform layout whose row count is a tier, else None (eager)."""
+        T = layout.tokens.numel()
+        if T not in self.compile_tiers or len({s.n for s in layout.seqs}) != 1:
+            return None
+        if self._compiled is None:
+            from .model import post_attention, pre_attention
+            self._compiled = (torch.compile(pre_attention, dynamic=False),
+                              torch.compile(post_attention, dynamic=False))
+        return self._compiled
 
     def score(self, tokens: list[int]) -> torch.Tensor:
         """Logits of every position of a whole sequence, [len(tokens), V], in a temporary KV sequence."""

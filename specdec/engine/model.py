@@ -48,23 +48,41 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.hd, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, layout, k_cache, v_cache):
-        T = x.shape[0]
-        q, k, v = self.wqkv(x).split([self.n_heads * self.hd, self.n_kv_heads * self.hd,
-                                      self.n_kv_heads * self.hd], dim=-1)
-        q = rope(q.view(T, self.n_heads, self.hd), cos, sin)
-        k = rope(k.view(T, self.n_kv_heads, self.hd), cos, sin)
-        # Write this step's keys/values at their positions' slots: rollback is just overwriting.
+    def attend(self, q, k, v, layout, k_cache, v_cache):
+        """Write this step's keys/values at their positions' slots (rollback is just overwriting), then let each
+        sequence attend to its own cached prefix + causally within its new rows. The ragged part: always eager."""
         k_cache.index_copy_(0, layout.write_slots, k)
-        v_cache.index_copy_(0, layout.write_slots, v.view(T, self.n_kv_heads, self.hd))
+        v_cache.index_copy_(0, layout.write_slots, v)
         out = torch.empty_like(q)
-        for s in layout.seqs:  # each sequence attends to its own cached prefix + causally within its new rows
-            qs = q[s.row0:s.row0 + s.n].transpose(0, 1)[None]            # [1, H, n, hd]
+        for s in layout.seqs:
+            qs = q[s.row0:s.row0 + s.n].transpose(0, 1)[None]                 # [1, H, n, hd]
             ks = k_cache.index_select(0, s.read_slots).transpose(0, 1)[None]  # [1, Hkv, ctx, hd]
             vs = v_cache.index_select(0, s.read_slots).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
             out[s.row0:s.row0 + s.n] = o[0].transpose(0, 1)
-        return self.wo(out.view(T, -1))
+        return out.view(q.shape[0], -1)
+
+
+# The dense parts of a block as pure functions of (activations, weights): one compiled graph per row-count tier
+# serves every layer (weights are arguments, not attributes the compiler would guard on).
+def pre_attention(x, norm_w, eps: float, wqkv, bqkv, cos, sin, n_heads: int, n_kv_heads: int, hd: int):
+    T = x.shape[0]
+    q, k, v = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv).split(
+        [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=-1)
+    return (rope(q.view(T, n_heads, hd), cos, sin), rope(k.view(T, n_kv_heads, hd), cos, sin),
+            v.view(T, n_kv_heads, hd))
+
+
+def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down):
+    x = x + F.linear(attn, wo)
+    gate, up = F.linear(rms_norm(x, norm_w, eps), w_gate_up).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w_down)
+
+
+def rms_norm(x, w, eps: float):
+    # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
+    xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+    return F.rms_norm(xf, (x.shape[-1],), eps=eps).to(x.dtype) * w
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +105,6 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
         self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x):
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -98,9 +112,7 @@ class RMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
-        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
-        return F.rms_norm(xf, (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Block(nn.Module):
@@ -109,9 +121,13 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.dim, cfg.norm_eps), MLP(cfg)
 
-    def forward(self, x, cos, sin, layout, k_cache, v_cache):
-        x = x + self.attn(self.attn_norm(x), cos, sin, layout, k_cache, v_cache)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, cos, sin, layout, k_cache, v_cache, kernels=None):
+        pre, post = kernels or (pre_attention, post_attention)
+        a, m = self.attn, self.mlp
+        q, k, v = pre(x, self.attn_norm.weight, self.attn_norm.eps, a.wqkv.weight, a.wqkv.bias, cos, sin,
+                      a.n_heads, a.n_kv_heads, a.hd)
+        o = a.attend(q, k, v, layout, k_cache, v_cache)
+        return post(x, o, a.wo.weight, self.mlp_norm.weight, self.mlp_norm.eps, m.w_gate_up.weight, m.w_down.weight)
 
 
 class Transformer(nn.Module):
@@ -126,16 +142,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, layout, kv, logit_rows=None, hidden_layers=()):
+    def forward(self, tokens, layout, kv, logit_rows=None, hidden_layers=(), kernels=None):
         """tokens [T] (packed rows of all sequences) -> (logits [R, V] for `logit_rows` (None: all rows),
-        {layer: hidden [T, dim]} for the requested layers; layer i is the output of block i, -1 the embeddings)."""
+        {layer: hidden [T, dim]} for the requested layers; layer i is the output of block i, -1 the embeddings).
+        `kernels`: (pre_attention, post_attention) to use, e.g. compiled ones (None: eager)."""
         dtype = self.embed.weight.dtype
         cos = self.rope_cos[layout.positions].to(dtype)
         sin = self.rope_sin[layout.positions].to(dtype)
         x = self.embed(tokens)
         hidden = {-1: x} if -1 in hidden_layers else {}
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, layout, kv.k[i], kv.v[i])
+            x = block(x, cos, sin, layout, kv.k[i], kv.v[i], kernels)
             if i in hidden_layers:
                 hidden[i] = x
         if logit_rows is not None:

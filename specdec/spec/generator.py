@@ -55,14 +55,15 @@ class TraceWriter:
     def __init__(self, f: TextIO):
         self.f, self.step = f, 0
 
-    def write(self, reqs: list[SpecRequest], info: StepInfo) -> None:
+    def write(self, reqs: list[SpecRequest], info: StepInfo, commit_ms: float | None = None) -> None:
         for i, r in enumerate(reqs):
             self.f.write(json.dumps({
                 "step": self.step, "request": r.rid, "batch": len(reqs), "verify_len": info.verify_len[i],
                 "layout_rows": info.rows, "accepted": info.accepted[i], "emitted": len(info.emitted[i]),
                 "mode": r.mode.value, "seeded": r.params.seed is not None, "draft_ok": info.draft_ok,
                 "draft_ms": round(info.draft_ms, 3), "verify_ms": round(info.verify_ms, 3),
-                "accept_ms": round(info.accept_ms, 3)}) + "\n")
+                "accept_ms": round(info.accept_ms, 3),
+                "commit_ms": None if commit_ms is None else round(commit_ms, 3)}) + "\n")
         self.step += 1
 
 

@@ -78,6 +78,8 @@ def plan_full(reqs: list[SpecRequest], props: list[Proposal]) -> list[int]:
     return [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) for r, p in zip(reqs, props)]
 
 
+# A planner is called with (requests, proposals) and returns verify_len per request; optionally it has
+# gamma(request) (block length to draft) and observe(requests, proposals, verify_len, accepted) (see spec/plan.py).
 Planner = Callable[[list[SpecRequest], list[Proposal]], list[int]]
 
 
@@ -86,7 +88,8 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     t0 = time.perf_counter()
     # 1. propose: one batched call; each request sends what was committed since its last call
     spec = [r for r in reqs if r.gamma > 0]          # gamma 0: speculation off for this request
-    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, r.gamma, r.params, r.mode,
+    block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma)
+    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, block(r), r.params, r.mode,
                        context=r.committed) for r in spec]
     answers: dict[str, Proposal | None] = {}
     draft_ok = True
@@ -119,6 +122,8 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     cu_rows = torch.tensor([0] + vlen).cumsum(0)
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])
+    if hasattr(plan, "observe"):  # online calibration of confidence -> acceptance
+        plan.observe(reqs, props, vlen, out.num_accepted.tolist())
 
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []

@@ -1,0 +1,1 @@
+"""Benchmark and trace harness: `specdec bench` and `specdec trace summarize`."""

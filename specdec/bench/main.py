@@ -1,0 +1,193 @@
+"""`specdec bench` and `specdec trace summarize`.
+
+    specdec bench --target smollm2-135m --draft ngram --prompts chat -n 16 --max-tokens 64 --gamma 2,4 --plot runs/p
+    specdec bench --url http://127.0.0.1:8000 --prompts humaneval -n 32 --concurrency 8      # a running stack
+    specdec trace summarize runs/trace.jsonl
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from ..spec.sampling import SamplingParams
+from .prompts import encode, load_prompts
+from .report import RequestRecord, StepRecord, summarize
+
+COLUMNS = [("gamma", "{:>5}"), ("tokens_per_s", "{:>8.1f}"), ("speedup", "{:>7.2f}"), ("alpha", "{:>6.2f}"),
+           ("alpha_token", "{:>6.2f}"), ("AL", "{:>5.2f}"), ("c", "{:>5.2f}"), ("r", "{:>6.3f}"), ("bound", "{:>6.2f}"),
+           ("efficiency", "{:>6.2f}"), ("ttft_p50_s", "{:>7.3f}"), ("itl_p50_s", "{:>7.4f}"), ("itl_p99_s", "{:>7.4f}")]
+
+
+def table(rows: list[tuple[str, dict]]) -> str:
+    head = f"{'run':<28}" + " ".join(f"{k[:8]:>{len(f.format(0)) if 'f' in f else 5}}" for k, f in COLUMNS)
+    lines = [head]
+    for name, r in rows:
+        cells = []
+        for k, f in COLUMNS:
+            v = r.get(k)
+            w = len(f.format(0))
+            cells.append(f.format(v) if isinstance(v, (int, float)) else f"{'-':>{w}}")
+        lines.append(f"{name:<28}" + " ".join(cells))
+    return "\n".join(lines)
+
+
+def hf_assisted(target_model, draft_model, prompts: list[list[int]], max_tokens: int) -> dict:
+    """transformers' assisted generation on exactly our weights (exported dense), greedy, batch 1."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..engine.loader import save_hf_dir
+    with tempfile.TemporaryDirectory() as d:
+        save_hf_dir(target_model, d + "/t")
+        save_hf_dir(draft_model, d + "/d")
+        dtype = target_model.embed.weight.dtype
+        t = AutoModelForCausalLM.from_pretrained(d + "/t", dtype=dtype).eval()
+        a = AutoModelForCausalLM.from_pretrained(d + "/d", dtype=dtype).eval()
+    n, t0 = 0, time.perf_counter()
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=a, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+            n += out.shape[1] - ids.shape[1]
+    wall = time.perf_counter() - t0
+    return {"tokens": n, "wall_s": wall, "tokens_per_s": n / wall}
+
+
+def cmd_bench(args) -> int:
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    items = load_prompts(args.prompts, args.n)
+    gammas = [int(g) for g in str(args.gamma).split(",")]
+    results: dict[str, dict] = {}
+    peer = None
+    if args.url:
+        from .run import run_rest
+        base = summarize(*_rest(run_rest, args, items, params, None, "baseline"), gamma=1)
+        results["baseline (speculation off)"] = base
+        for g in gammas:
+            spec = {"enabled": True, "gamma": g, **({"acceptance": args.acceptance} if args.acceptance else {})}
+            recs, steps, wall = _rest(run_rest, args, items, params, spec, f"gamma {g}")
+            results[f"speculative gamma={g}"] = summarize(recs, steps, wall, g, base)
+    else:
+        import torch
+
+        from ..draft import make_drafter
+        from ..engine.engine import Engine
+        from ..engine.registry import load
+        from .run import run_inprocess
+        torch.set_num_threads(args.threads or torch.get_num_threads())
+        lm = load(args.target, args.dtype)
+        engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+        prompts = [encode(lm.tokenizer, it) for it in items]
+        drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers)
+        common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
+                      mode=args.acceptance or "rejection", layout=args.verify,
+                      stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
+        run_inprocess(engine, drafter, prompts[:1], gamma=gammas[0], **{**common, "max_tokens": 4})  # warm-up
+        base = summarize(*run_inprocess(engine, None, prompts, gamma=1, desc="baseline", **common), gamma=1)
+        results["baseline (speculation off)"] = base
+        for g in gammas:
+            plan = _planner(args, engine) if args.planner == "cost" else None
+            recs, steps, wall = run_inprocess(engine, drafter, prompts, gamma=g, plan=plan, desc=f"gamma {g}",
+                                              **common)
+            results[f"{args.draft} gamma={g}" + (" +planner" if plan else "")] = summarize(recs, steps, wall, g, base)
+        if args.peer_hf:
+            from ..draft.model import ModelDrafter
+            if not isinstance(drafter, ModelDrafter):
+                raise SystemExit("--peer-hf needs a model drafter (a model name or layer-skip)")
+            peer = hf_assisted(lm.model, drafter.engine.model, prompts, args.max_tokens)
+            best = max(v.get("tokens_per_s", 0) for k, v in results.items() if "baseline" not in k)
+            peer["ours_over_hf"] = best / peer["tokens_per_s"]
+    print(table(list(results.items())))
+    if peer:
+        print(f"transformers assisted generation: {peer['tokens_per_s']:.1f} tokens/s; "
+              f"specdec best / transformers = {peer['ours_over_hf']:.2f}x")
+    out = {"args": {k: v for k, v in vars(args).items() if k != "func"},
+           "runs": {k: {f: x for f, x in v.items() if not f.startswith("_")} for k, v in results.items()},
+           "hf_assisted": peer}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+    if args.plot:
+        from .plot import plots
+        for f in plots(results, args.plot):
+            print(f"wrote {f}")
+    return 0
+
+
+def _rest(run_rest, args, items, params, spec, desc):
+    return run_rest(args.url, items, max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
+                    speculative=spec, desc=desc)
+
+
+def _planner(args, engine):
+    from ..spec.plan import CostPlanner, profile_cost
+    cost = profile_cost(engine)
+    return CostPlanner(cost, fixed_ms=0.0)
+
+
+def cmd_trace_summarize(args) -> int:
+    """The bench figures from a trace file (one record per request per verify step)."""
+    recs = [json.loads(x) for x in Path(args.file).read_text().splitlines() if x.strip()]
+    by_req: dict[str, list[dict]] = {}
+    for r in recs:
+        by_req.setdefault(r["request"], []).append(r)
+    reqs = []
+    for rs in by_req.values():
+        P = max(r["verify_len"] - 1 for r in rs)
+        dpp = [sum(r["verify_len"] - 1 > j for r in rs) for j in range(P)]
+        app = [sum(r["accepted"] > j for r in rs) for j in range(P)]
+        reqs.append(RequestRecord(sum(r["emitted"] for r in rs), len(rs), sum(r["verify_len"] - 1 for r in rs),
+                                  sum(r["accepted"] for r in rs), dpp, app))
+    by_step: dict[int, dict] = {}
+    for r in recs:
+        by_step.setdefault(r["step"], r)
+    steps = [StepRecord(r["draft_ms"], r["verify_ms"], r.get("accept_ms", 0) + (r.get("commit_ms") or 0),
+                        r["layout_rows"], r["batch"]) for r in by_step.values()]
+    wall = sum(s.draft_ms + s.verify_ms + s.other_ms for s in steps) / 1e3
+    gamma = max((r["verify_len"] - 1 for r in recs), default=1) or 1
+    s = summarize(reqs, steps, wall, gamma)
+    s["seeded_fraction"] = statistics.mean(r["seeded"] for r in recs) if recs else 0
+    s["modes"] = sorted({r["mode"] for r in recs})
+    for k in ("requests", "steps", "tokens", "alpha", "alpha_token", "AL", "per_position_acceptance",
+              "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step", "rows_per_step", "modes",
+              "seeded_fraction"):
+        v = s[k]
+        print(f"{k:>26}: {[round(x, 3) if x is not None else None for x in v] if isinstance(v, list) and k.startswith('per') else (round(v, 4) if isinstance(v, float) else v)}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark speculative decoding against target-only decoding")
+    b.add_argument("--url", default=None, help="a running stack's REST base URL; unset = in process")
+    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--draft", default="ngram", help="in process: ngram | layer-skip | a draft model")
+    b.add_argument("--draft-layers", default=None)
+    b.add_argument("--dtype", default=None)
+    b.add_argument("--kv-tokens", type=int, default=65536)
+    b.add_argument("--prompts", default="chat", help="humaneval | chat | FILE.jsonl")
+    b.add_argument("-n", type=int, default=16, help="prompts (cycles through the set)")
+    b.add_argument("--max-tokens", type=int, default=64)
+    b.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens (steadier timing)")
+    b.add_argument("--concurrency", type=int, default=1)
+    b.add_argument("--gamma", default="4", help="one or more, comma-separated")
+    b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"])
+    b.add_argument("--verify", default="compact", choices=["compact", "padded"])
+    b.add_argument("--planner", default="off", choices=["off", "cost"])
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=None)
+    b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--peer-hf", action="store_true", help="also run transformers assisted generation")
+    b.add_argument("--plot", default=None, help="directory for PNG plots")
+    b.add_argument("--out", default="runs/bench.json")
+    b.set_defaults(func=cmd_bench)
+    t = sub.add_parser("trace", help="trace tools")
+    tsub = t.add_subparsers(dest="trace_cmd", required=True)
+    s = tsub.add_parser("summarize", help="the bench figures from a JSONL trace")
+    s.add_argument("file")
+    s.set_defaults(func=cmd_trace_summarize)

@@ -1,0 +1,177 @@
+"""The plan step: how many rows each request verifies (verify_len) and how long a block it asks the drafter for.
+
+Compact verify makes a shorter verify_len save real compute, so it pays to verify only the draft tokens likely to be
+accepted. Inputs:
+- an SPS table, cost(rows): the target's verify time for a packed forward of `rows` rows, profiled at start-up;
+- an STS calibration, P(accept | draft confidence), learned online from what was accepted;
+- a fixed per-step cost (drafting, overhead) that every step pays whatever it verifies.
+
+Request i verifying v_i rows emits 1 + sum_{j<v_i} g_ij tokens in expectation, g_ij = prod_{k<=j} a_ik (slot j is
+emitted only if slots 1..j are all accepted). The g_ij decrease along a request's block, so for a total of R draft rows
+the best choice is the R largest g_ij overall (each request gets a prefix); the plan takes the R that maximises
+(B + sum of the top R gains) / (fixed + cost(B + R)). `brute_force_plan` checks that against every combination.
+
+Adaptive gamma: each request's block length maximises E(gamma) / (1 + gamma * c) for its own acceptance history
+(EMA of per-token acceptance), E(gamma) = (1 - alpha^(gamma+1)) / (1 - alpha).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+import time
+from typing import Sequence
+
+from .propose import Proposal
+
+
+# -- SPS: verify cost by packed row count ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class CostTable:
+    rows: list[int]              # measured row counts, ascending
+    ms: list[float]              # verify time at each
+
+    def __call__(self, n: int) -> float:
+        """Piecewise-linear in rows; linear extrapolation past the last point."""
+        r, m = self.rows, self.ms
+        if n <= r[0]:
+            return m[0]
+        i = bisect.bisect_left(r, n)
+        if i == len(r):
+            i -= 1
+        lo, hi = i - 1, i
+        return m[lo] + (m[hi] - m[lo]) * (n - r[lo]) / (r[hi] - r[lo])
+
+    @classmethod
+    def linear(cls, base_ms: float, per_row_ms: float, max_rows: int = 256) -> "CostTable":
+        return cls([1, max_rows], [base_ms + per_row_ms, base_ms + per_row_ms * max_rows])
+
+
+def profile_cost(engine, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), context: int = 128,
+                 reps: int = 3) -> CostTable:
+    """Measure the engine's packed verify cost for each row count (rows spread over sequences of <= 9 rows, on a
+    cached context), median of `reps`."""
+    from ..engine.layout import SeqInput
+    out = []
+    for n in rows:
+        per = [min(9, n - 9 * k) for k in range(math.ceil(n / 9))]
+        seqs = [engine.new_sequence() for _ in per]
+        try:
+            engine.prefill(seqs, [[1 + (i % 50)] * context for i in range(len(per))])
+            ts = []
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                engine.forward([SeqInput(s, [2] * k, start=context, logits="all") for s, k in zip(seqs, per)])
+                ts.append((time.perf_counter() - t) * 1e3)
+            out.append(sorted(ts[1:])[len(ts[1:]) // 2])
+        finally:
+            for s in seqs:
+                engine.release(s)
+    for i in range(1, len(out)):  # cost never decreases with rows (noise aside)
+        out[i] = max(out[i], out[i - 1])
+    return CostTable(list(rows), out)
+
+
+# -- STS: confidence -> acceptance probability -----------------------------------------------------------------------
+class Calibration:
+    """Binned online estimate of P(accept | draft confidence), with a Beta prior pulling each bin toward its
+    confidence (a well-calibrated draft accepts at its confidence)."""
+
+    def __init__(self, bins: int = 10, prior: float = 4.0):
+        self.bins, self.prior = bins, prior
+        self.tried = [0] * bins
+        self.accepted = [0] * bins
+
+    def _bin(self, c: float) -> int:
+        return min(self.bins - 1, max(0, int(c * self.bins)))
+
+    def prob(self, c: float) -> float:
+        b = self._bin(c)
+        centre = (b + 0.5) / self.bins
+        return (self.accepted[b] + self.prior * centre) / (self.tried[b] + self.prior)
+
+    def observe(self, confidences: Sequence[float], accepted: int) -> None:
+        """Slots 1..accepted were accepted, slot accepted+1 (if verified) was rejected; later ones say nothing."""
+        for j, c in enumerate(confidences[:accepted + 1]):
+            b = self._bin(c)
+            self.tried[b] += 1
+            self.accepted[b] += j < accepted
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------------
+def gains(probs: Sequence[float]) -> list[float]:
+    """g_j = prod_{k<=j} a_k: the expected extra tokens of verifying slot j."""
+    return list(itertools.accumulate(probs, lambda a, b: a * b))
+
+
+def best_plan(slot_probs: list[list[float]], caps: list[int], cost: CostTable, fixed_ms: float = 0.0) -> list[int]:
+    """verify_len per request maximising expected emitted tokens per unit step cost. caps[i] bounds verify_len."""
+    B = len(slot_probs)
+    cand = sorted(((g, i) for i, ps in enumerate(slot_probs) for g in gains(ps[:max(0, caps[i] - 1)])), reverse=True)
+    best_r, best, total = 0, B / (fixed_ms + cost(B)), float(B)
+    for r, (g, _) in enumerate(cand, 1):
+        total += g
+        val = total / (fixed_ms + cost(B + r))
+        if val > best:
+            best_r, best = r, val
+    vlen = [1] * B
+    for _, i in cand[:best_r]:
+        vlen[i] += 1
+    return vlen
+
+
+def expected_rate(slot_probs, vlen, cost: CostTable, fixed_ms: float = 0.0) -> float:
+    tokens = sum(1 + sum(gains(ps[:v - 1])) for ps, v in zip(slot_probs, vlen))
+    return tokens / (fixed_ms + cost(sum(vlen)))
+
+
+def brute_force_plan(slot_probs, caps, cost: CostTable, fixed_ms: float = 0.0) -> tuple[list[int], float]:
+    """Every combination of verify lengths: the reference `best_plan` is tested against."""
+    best, best_v = -1.0, None
+    for vlen in itertools.product(*[range(1, c + 1) for c in caps]):
+        val = expected_rate(slot_probs, vlen, cost, fixed_ms)
+        if val > best + 1e-12:
+            best, best_v = val, list(vlen)
+    return best_v, best
+
+
+def leviathan_gain(alpha: float, gamma: int) -> float:
+    """E(gamma): expected tokens per step with per-token acceptance alpha."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def best_gamma(alpha: float, c: float, gamma_max: int) -> int:
+    return max(range(1, gamma_max + 1), key=lambda g: leviathan_gain(alpha, g) / (1 + g * c))
+
+
+class CostPlanner:
+    """The verify-length planner (and adaptive gamma). Usable as `plan=` of speculative_step."""
+
+    def __init__(self, cost: CostTable, *, fixed_ms: float = 0.0, draft_ms_per_token: float = 0.0,
+                 adaptive_gamma: bool = True, calibration: Calibration | None = None, ema: float = 0.2):
+        self.cost, self.fixed_ms, self.draft_ms = cost, fixed_ms, draft_ms_per_token
+        self.adaptive_gamma, self.cal, self.ema = adaptive_gamma, calibration or Calibration(), ema
+        self.alpha: dict[str, float] = {}
+
+    def gamma(self, r) -> int:
+        """Block length to ask the drafter for: adaptive to the request's acceptance history."""
+        if not self.adaptive_gamma or r.rid not in self.alpha:
+            return r.gamma
+        c = self.draft_ms / max(1e-9, self.cost(1))
+        return min(r.gamma, best_gamma(self.alpha[r.rid], c, r.gamma))
+
+    def __call__(self, reqs, props: list[Proposal]) -> list[int]:
+        caps = [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) for r, p in zip(reqs, props)]
+        probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
+        return best_plan(probs, caps, self.cost, self.fixed_ms)
+
+    def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int]) -> None:
+        for r, p, v, a in zip(reqs, props, vlen, accepted):
+            if v <= 1:
+                continue
+            self.cal.observe(p.confidence[:v - 1], a)
+            # per-token acceptance of this step: a accepted out of a + (1 if a rejection happened)
+            tried = a + (a < v - 1)
+            prev = self.alpha.get(r.rid, 0.5)
+            self.alpha[r.rid] = (1 - self.ema) * prev + self.ema * (a / tried)

@@ -1,0 +1,75 @@
+"""The benchmark harness on tiny models in process: every figure present and the arithmetic consistent."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.bench.report import RequestRecord, StepRecord, alpha_token, leviathan_gain, summarize
+
+FIELDS = ["requests", "tokens", "wall_s", "tokens_per_s", "steps", "alpha", "alpha_token", "AL",
+          "per_position_acceptance", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "draft_ms_per_step",
+          "verify_ms_per_step", "c", "r", "bound", "speedup", "efficiency", "gamma"]
+
+
+def test_summarize_arithmetic():
+    reqs = [RequestRecord(tokens=30, steps=10, drafted=40, accepted=20, drafted_per_pos=[10, 10, 10, 10],
+                          accepted_per_pos=[8, 6, 4, 2], ttft_s=0.1, itl_s=[0.01] * 29)]
+    steps = [StepRecord(draft_ms=4.0, verify_ms=20.0, other_ms=1.0, rows=5)] * 10
+    base = {"tokens_per_s": 40.0, "verify_ms_per_step": 20.0, "other_ms_per_step": 0.5}
+    s = summarize(reqs, steps, wall_s=0.5, gamma=4, baseline=base)
+    assert s["alpha"] == 0.5 and s["AL"] == 3.0 and s["tokens_per_s"] == 60.0 and s["speedup"] == 1.5
+    assert s["per_position_acceptance"] == [0.8, 0.6, 0.4, 0.2]
+    assert s["alpha_token"] == pytest.approx((0.8 + 0.75 + 4 / 6 + 0.5) / 4)
+    assert s["c"] == pytest.approx(4.0 / 4 / 20.0) and s["r"] == pytest.approx(0.5 / 20.0)
+    assert s["bound"] == pytest.approx(leviathan_gain(s["alpha_token"], 4) / (1 + 4 * s["c"] + s["r"]))
+    assert s["efficiency"] == pytest.approx(1.5 / s["bound"])
+    assert leviathan_gain(0.5, 2) == pytest.approx(1.75)
+    assert alpha_token([0.5, 0.25, 0.125]) == pytest.approx(0.5)   # iid: a_j = alpha^j
+
+
+def test_bench_in_process_json(tmp_path):
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--target", "tiny-llama", "--draft",
+                        "tiny-llama-draft", "-n", "4", "--max-tokens", "16", "--gamma", "2,3", "--concurrency", "2",
+                        "--ignore-eos", "--out", str(out), "--plot", str(tmp_path / "plots")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    assert set(runs) == {"baseline (speculation off)", "tiny-llama-draft gamma=2", "tiny-llama-draft gamma=3"}
+    base = runs["baseline (speculation off)"]
+    assert base["tokens"] == 4 * 16 and base["AL"] == 1.0
+    for name, s in runs.items():
+        if name.startswith("baseline"):
+            continue
+        for f in FIELDS:
+            assert f in s and s[f] is not None, (name, f)
+        assert s["tokens"] == 4 * 16
+        assert s["alpha"] == pytest.approx(s["accepted"] / s["drafted"])
+        assert s["AL"] == pytest.approx(s["tokens"] / s["request_steps"])
+        assert s["speedup"] == pytest.approx(s["tokens_per_s"] / base["tokens_per_s"])
+        assert s["bound"] == pytest.approx(leviathan_gain(s["alpha_token"], s["gamma"]) /
+                                           (1 + s["gamma"] * s["c"] + max(0.0, s["r"])))
+        assert s["efficiency"] == pytest.approx(s["speedup"] / s["bound"])
+        assert 1.0 < s["AL"] <= s["gamma"] + 1
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"acceptance_per_position.png", "latency_cdf.png",
+                                                                 "speedup_vs_gamma.png"}
+    assert "tokens_p" in r.stdout and "speedup" in r.stdout
+
+
+def test_trace_summarize(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--model", "tiny-llama", "--draft",
+                        "tiny-llama-draft", "--gamma", "3", "--prompt", "hello there", "--max-tokens", "30",
+                        "--trace", str(trace)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    al = float(r.stderr.split("AL ")[1].split()[0])
+    s = subprocess.run([sys.executable, "-m", "specdec.cli", "trace", "summarize", str(trace)],
+                       capture_output=True, text=True, timeout=120)
+    assert s.returncode == 0, s.stderr
+    got = {line.split(":")[0].strip(): line.split(":", 1)[1].strip() for line in s.stdout.splitlines()}
+    assert float(got["AL"]) == pytest.approx(al, abs=0.01)
+    recs = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert float(got["alpha"]) == pytest.approx(sum(x["accepted"] for x in recs) /
+                                                sum(x["verify_len"] - 1 for x in recs), abs=1e-3)

@@ -1,0 +1,67 @@
+"""The verify-length planner: exact optimum (against brute force), calibration, adaptive gamma, and compact rows."""
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.draft.model import ModelDrafter
+from specdec.engine.engine import Engine
+from specdec.engine.registry import load
+from specdec.spec.generator import GenRequest, SpeculativeGenerator
+from specdec.spec.plan import (Calibration, CostPlanner, CostTable, best_gamma, best_plan, brute_force_plan,
+                               expected_rate, leviathan_gain)
+
+COSTS = [CostTable([1, 2, 4, 8, 16, 32], [10, 10.4, 11, 12.5, 16, 25]),   # verify nearly free up to ~8 rows
+         CostTable.linear(2.0, 3.0),                                       # every row costs: short blocks win
+         CostTable([1, 4, 16], [5, 5, 40])]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 2), st.floats(0, 20), st.data())
+def test_best_plan_matches_brute_force(B, ci, fixed, data):
+    caps = [data.draw(st.integers(1, 5)) for _ in range(B)]
+    probs = [sorted(data.draw(st.lists(st.floats(0.01, 0.99), min_size=c - 1, max_size=c - 1)), reverse=True)
+             for c in caps]
+    cost = COSTS[ci]
+    v, _ = brute_force_plan(probs, caps, cost, fixed)
+    got = best_plan(probs, caps, cost, fixed)
+    assert all(1 <= g <= c for g, c in zip(got, caps))
+    assert expected_rate(probs, got, cost, fixed) == pytest.approx(expected_rate(probs, v, cost, fixed), rel=1e-9)
+
+
+def test_best_plan_shapes():
+    flat = CostTable([1, 64], [10, 10.001])          # verify is free: verify everything proposed
+    assert best_plan([[0.9] * 4, [0.1] * 4], [5, 5], flat) == [5, 5]
+    steep = CostTable.linear(0.0, 1.0)               # each row costs what an anchor does: only sure bets pay...
+    assert best_plan([[0.99, 0.98, 0.2], [0.1, 0.1, 0.1]], [4, 4], steep) == [1, 1]
+    # ...and with a fixed per-step cost (drafting, overhead) the likely slots become worth verifying
+    assert best_plan([[0.99, 0.98, 0.2], [0.1, 0.1, 0.1]], [4, 4], steep, fixed_ms=2.0) == [3, 1]
+
+
+def test_calibration_learns():
+    cal = Calibration(bins=4, prior=2)
+    assert cal.prob(0.9) == pytest.approx(0.875)     # prior: the bin centre
+    rng = random.Random(0)
+    for _ in range(2000):                             # a draft that is over-confident: accepts 30% at conf 0.9
+        cal.observe([0.9], int(rng.random() < 0.3))
+    assert cal.prob(0.9) == pytest.approx(0.3, abs=0.05)
+
+
+def test_gamma_adapts():
+    assert leviathan_gain(0.0, 4) == 1 and leviathan_gain(1.0, 4) == 5
+    assert best_gamma(0.95, 0.05, 8) >= 6 and best_gamma(0.2, 0.3, 8) == 1
+
+
+def test_planner_in_the_loop_is_lossless_and_compact_rows_match():
+    target, draft = load("tiny-llama").model, load("tiny-llama-draft").model
+    V = target.cfg.vocab_size
+    prompts = [[1 + (i * 7 + k) % (V - 1) for k in range(5 + i)] for i in range(6)]
+    ref = SpeculativeGenerator(Engine(target), None).generate([GenRequest(p, max_tokens=24) for p in prompts])
+    planner = CostPlanner(CostTable.linear(1.0, 0.6), fixed_ms=1.0, draft_ms_per_token=0.3)
+    gen = SpeculativeGenerator(Engine(target), ModelDrafter(draft), gamma=6, plan=planner)
+    outs = gen.generate([GenRequest(p, max_tokens=24) for p in prompts])
+    assert [o.tokens for o in outs] == [o.tokens for o in ref]
+    assert all(info.rows == sum(info.verify_len) for info in gen.steps)      # compact: rows == sum(verify_len)
+    assert any(len(set(info.verify_len)) > 1 for info in gen.steps)          # the planner mixes lengths
+    assert sum(planner.cal.tried) > 0 and planner.alpha
