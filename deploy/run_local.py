@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -97,13 +98,14 @@ class Child:
         self.p: subprocess.Popen | None = None
         self.killed = False
 
-    def start(self) -> "Child":
+    def start(self) -> Child:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log, "wb") as out:
             # Own session: a terminal Ctrl-C reaches only the launcher, which then stops the children in order.
             self.p = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True,
-                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                      # children start before any grpc/openai thread exists, so a preexec_fn is safe
+                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)  # noqa: PLW1509
         return self
 
     def alive(self) -> bool:
@@ -245,9 +247,9 @@ def smoke_request(base: str, model: str) -> None:
 
 def banner(model: str, ports: dict[str, int]) -> None:
     rest = f"http://127.0.0.1:{ports['port']}"
-    chat = ('{"model": "%s", "messages": [{"role": "user", "content": "What is the capital of France?"}], '
-            '"max_tokens": 64, "temperature": 0}' % model)
-    comp = '{"model": "%s", "prompt": "Once upon a time", "max_tokens": 32}' % model
+    chat = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 64, "temperature": 0})
+    comp = json.dumps({"model": model, "prompt": "Once upon a time", "max_tokens": 32})
     print(f"""
   REST (OpenAI-compatible)  {rest}/v1
   metrics / health          {rest}/metrics   {rest}/health

@@ -25,7 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from specdec import wire
 from specdec.errors import InvalidRequest, KVPoolExhausted, SpecdecError
 from specdec.spec.accept import Mode
-from specdec.spec.propose import DraftItem, Drafter
+from specdec.spec.propose import Drafter, DraftItem
 from specdec.spec.validation import validate_sampling
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -145,7 +145,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
             except SpecdecError as e:
                 failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except Exception as e:       # noqa: BLE001 -- one bad batch must not take the server down
+            except Exception as e:       # one bad batch must not take the server down
                 log.exception("propose failed (%d items)", len(items))
                 failure = (grpc.StatusCode.INTERNAL, f"draft failed: {type(e).__name__}")
         if failure is not None:
@@ -181,8 +181,9 @@ def build_server(drafter: Drafter, host: str = "127.0.0.1", port: int = 0,
     """An unstarted grpc.aio server for `drafter` and the bound port (port 0 picks a free one). Call it inside the
     event loop that will run the server. `server.health` is its health servicer (for graceful shutdown)."""
     limit = max_message_mb * 1024 * 1024      # dense draft distributions: gamma x vocab float64 per sampled item
+    # grpc turns SO_REUSEPORT on by default: a second server on a busy port would silently share it.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", limit)])
+                                      ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
     pb_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter), server)
     server.health = _Health(("", SERVICE))
     health_pb2_grpc.add_HealthServicer_to_server(server.health, server)

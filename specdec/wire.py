@@ -20,7 +20,8 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
 
 
 def params_from_pb(m: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.top_p > 0 else 1.0,
+    # proto3 sends 0 for an unset top_p: exactly 0 means "off"; anything else (negative, NaN) goes to validation
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.top_p != 0 else 1.0,
                           min_p=m.min_p, seed=m.seed if m.HasField("seed") else None)
 
 

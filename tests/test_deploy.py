@@ -27,7 +27,8 @@ def target_args(argv=()):
 
 
 def draft_args(argv=()):
-    from draft_service.server import parse_args     # draft_service exposes parse_args, not a parser
+    # draft_service exposes parse_args (which reads SPECDEC_* at call time), not a parser
+    from draft_service.server import parse_args
     return vars(parse_args(list(argv)))
 
 
@@ -152,8 +153,8 @@ def test_dockerfile_copies_existing_files_and_builds_like_the_makefile():
 
     # the stubs: the Makefile's protoc command, with its $< spelled out
     make = (ROOT / "Makefile").read_text()
-    rule = re.search(r"^\$\(STUBS\) &: (\S+)", make, re.M)
-    recipe = re.search(r"-m grpc_tools\.protoc (.*)$", make, re.M).group(1).replace("$<", rule.group(1)).split()
+    rule = re.search(r"^\$\(STUBS\) &: (\S+)", make, re.MULTILINE)
+    recipe = re.search(r"-m grpc_tools\.protoc (.*)$", make, re.MULTILINE).group(1).replace("$<", rule.group(1)).split()
     run = re.search(r"-m grpc_tools\.protoc (.*?)(?:&&|$)", text).group(1).split()
     assert run == recipe
     # stale host stubs stay out of the image: it generates its own
@@ -168,7 +169,7 @@ def test_compose_healthchecks_probe_live_servers(tmp_path):
     def probe(service: str, env: dict) -> int:
         argv = SERVICES[service]["healthcheck"]["test"][1:]
         argv = [sys.executable if a == "python" else a for a in argv]
-        return subprocess.run(argv, env={**os.environ, **env}, capture_output=True, timeout=30).returncode
+        return subprocess.run(argv, env={**os.environ, **env}, capture_output=True, timeout=30, check=False).returncode
 
     d = Draft(tmp_path).up()
     t = Target(tmp_path, draft=d.addr).up()
@@ -194,7 +195,7 @@ def load_run_local():
 def launch(tmp_path, *extra, timeout=180) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "deploy/run_local.py", "--model", "tiny-llama", "--drafter", "tiny-llama-draft",
            "--log-dir", str(tmp_path / "logs"), *extra]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def test_run_local_check_embedded_store(tmp_path):

@@ -279,3 +279,11 @@ def test_in_process_engine_is_never_reentered_and_health_stays_live():
             await server.stop(None)
 
     asyncio.run(run())
+
+
+def test_busy_port_is_refused(model_server):
+    """grpc shares ports (SO_REUSEPORT) unless told not to; a second server must fail loudly instead."""
+    out = subprocess.run([sys.executable, "-m", "draft_service", "--port", str(model_server.port)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cannot listen" in out.stderr
+    assert model_server.status("") == SERVING
