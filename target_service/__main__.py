@@ -33,6 +33,10 @@ def parser() -> argparse.ArgumentParser:
                     help="draft server host:port; 'ngram' drafts in process; empty = no speculation")
     ap.add_argument("--draft-name", default=env("DRAFT_NAME", ""), help="the draft model's name, for the records")
     ap.add_argument("--draft-deadline-ms", type=float, default=float(env("DRAFT_DEADLINE_MS", 1000)))
+    ap.add_argument("--draft-token", default=env("DRAFT_TOKEN") or None,
+                    help="shared secret sent to the draft server (its --auth-token); prefer the env var")
+    ap.add_argument("--draft-tls-ca", default=env("DRAFT_TLS_CA") or None,
+                    help="PEM CA certificate: talk TLS to the draft server, trusting this CA")
     ap.add_argument("--gamma", type=int, default=int(env("GAMMA", 4)))
     ap.add_argument("--acceptance", default=env("ACCEPTANCE", "rejection"), choices=["rejection", "coupled"])
     ap.add_argument("--verify", default=env("VERIFY", "compact"), choices=["compact", "padded"])
@@ -43,9 +47,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--state-ttl-s", type=int, default=int(env("STATE_TTL_S", 86400)))
     ap.add_argument("--instance-id", default=env("INSTANCE_ID"))
     ap.add_argument("--api-keys", default=env("API_KEYS", ""), help="comma-separated; empty = no auth")
+    ap.add_argument("--max-body-mb", type=float, default=float(env("MAX_BODY_MB", 16)),
+                    help="REST request body limit (413 above it)")
     ap.add_argument("--trace", default=env("TRACE"), help="JSONL trace file (one record per request per step)")
     ap.add_argument("--threads", type=int, default=int(env("THREADS", 0)), help="torch threads (0 = default)")
     ap.add_argument("--log-level", default=env("LOG_LEVEL", "info"))
+    ap.add_argument("--request-timeout-s", type=float, default=float(env("REQUEST_TIMEOUT_S", 600)),
+                    help="default deadline of a request, queue + generation (REST timeout_s overrides); 0 = none")
     ap.add_argument("--fault-step-delay-ms", type=float, default=float(env("FAULT_STEP_DELAY_MS", 0)),
                     help="fault injection for tests: sleep this long after every step")
     return ap
@@ -76,19 +84,21 @@ async def serve(args) -> None:
         from specdec.draft.ngram import NgramDrafter
         drafter = NgramDrafter()
     elif args.draft:
-        drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000)
+        drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000,
+                                token=args.draft_token, tls_ca=args.draft_tls_ca)
     store = open_store(args.redis_url or None, namespace=args.redis_namespace, ttl_s=args.state_ttl_s)
     metrics = Metrics(lm.name)
+    metrics.store_round_trips.set_function(lambda: getattr(store, "round_trips", 0))
     trace = TraceWriter(open(args.trace, "a", buffering=1)) if args.trace else None
     cfg = SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue, layout=args.verify,
-                          step_delay_s=args.fault_step_delay_ms / 1000)
+                          step_delay_s=args.fault_step_delay_ms / 1000, request_timeout_s=args.request_timeout_s)
     if args.instance_id:
         cfg.instance_id = args.instance_id
     sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace)
     svc = TargetService(engine, sched, store, lm.tokenizer, model_name=lm.name, draft_name=draft_name,
                         gamma=args.gamma, mode=args.acceptance, metrics=metrics)
     keys = frozenset(k for k in args.api_keys.split(",") if k)
-    app = create_app(svc, metrics, keys)
+    app = create_app(svc, metrics, keys, max_body_bytes=int(args.max_body_mb * (1 << 20)))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, lifespan="off"))
     server.install_signal_handlers = lambda: None   # we handle SIGTERM/SIGINT below, for both servers

@@ -37,6 +37,12 @@ class Metrics:
                              registry=r).labels(**lab)
         self.waiting = Gauge("specdec:num_requests_waiting", "Requests waiting for admission.", ["model_name"],
                              registry=r).labels(**lab)
+        self.kv_free_tokens = Gauge("specdec:kv_free_tokens", "Target KV cache slots (tokens) held by no request.",
+                                    ["model_name"], registry=r).labels(**lab)
+        self.store_errors = counter("specdec:state_store_errors",
+                                    "Commit attempts that failed because the state store was unavailable.")
+        self.store_round_trips = Gauge("specdec:store_round_trips", "Network round trips to the state store so far.",
+                                       ["model_name"], registry=r).labels(**lab)
         self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", ["model_name"],
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
         self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between streamed tokens.", ["model_name"],

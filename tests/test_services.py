@@ -138,6 +138,8 @@ def test_seeded_reproducible_and_recorded(target, lm, redis_url, ns):
 
 
 def test_eight_concurrent_requests_batch(target, lm):
+    before = {k: counter(target, k) for k in ("specdec:store_round_trips", "specdec:scheduler_steps_total")}
+
     async def run():
         ac = AsyncOpenAI(base_url=target.url + "/v1", api_key="unused", max_retries=0)
         return await asyncio.gather(*[ac.completions.create(model="tiny-llama", prompt=f"request {i} says",
@@ -152,6 +154,10 @@ def test_eight_concurrent_requests_batch(target, lm):
         if r["request"] in ids:
             steps.setdefault(r["step"], set()).add(r["request"])
     assert max(len(s) for s in steps.values()) >= 4   # one verify forward carried rows of several requests
+    trips = counter(target, "specdec:store_round_trips") - before["specdec:store_round_trips"]
+    n_steps = counter(target, "specdec:scheduler_steps_total") - before["specdec:scheduler_steps_total"]
+    # one commit round trip per step for the whole batch (+ one create per request at admission)
+    assert trips <= n_steps + 8 and n_steps > 0
 
 
 def test_grpc_generate_verify_and_health(target, draft, lm):

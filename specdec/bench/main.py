@@ -11,6 +11,9 @@ import statistics
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
+from ..spec.plan import CostPlanner, profile_cost
 from ..spec.sampling import SamplingParams
 from .prompts import encode, load_prompts
 from .report import RequestRecord, StepRecord, summarize
@@ -33,29 +36,37 @@ def table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def hf_assisted(target_model, draft_model, prompts: list[list[int]], max_tokens: int) -> dict:
-    """transformers' assisted generation on exactly our weights (exported dense), greedy, batch 1."""
-    import tempfile
+class HFAssisted:
+    """transformers' assisted generation on exactly our weights (exported dense), greedy, batch 1: the peer."""
 
-    import torch
-    from transformers import AutoModelForCausalLM
+    def __init__(self, target_model, draft_model):
+        import tempfile
 
-    from ..engine.loader import save_hf_dir
-    with tempfile.TemporaryDirectory() as d:
-        save_hf_dir(target_model, d + "/t")
-        save_hf_dir(draft_model, d + "/d")
-        dtype = target_model.embed.weight.dtype
-        t = AutoModelForCausalLM.from_pretrained(d + "/t", dtype=dtype).eval()
-        a = AutoModelForCausalLM.from_pretrained(d + "/d", dtype=dtype).eval()
-    n, t0 = 0, time.perf_counter()
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=a, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            n += out.shape[1] - ids.shape[1]
-    wall = time.perf_counter() - t0
-    return {"tokens": n, "wall_s": wall, "tokens_per_s": n / wall}
+        from transformers import AutoModelForCausalLM
+
+        from ..engine.loader import save_hf_dir
+        with tempfile.TemporaryDirectory() as d:
+            save_hf_dir(target_model, d + "/t")
+            save_hf_dir(draft_model, d + "/d")
+            dtype = target_model.embed.weight.dtype
+            self.t = AutoModelForCausalLM.from_pretrained(d + "/t", dtype=dtype).eval()
+            self.a = AutoModelForCausalLM.from_pretrained(d + "/d", dtype=dtype).eval()
+        self.tokens, self.wall = 0, 0.0
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> None:
+        import torch
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for p in prompts:
+                ids = torch.tensor([p])
+                out = self.t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.a,
+                                      max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=0)
+                self.tokens += out.shape[1] - ids.shape[1]
+        self.wall += time.perf_counter() - t0
+
+    def result(self) -> dict:
+        return {"tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / self.wall}
 
 
 def cmd_bench(args) -> int:
@@ -85,21 +96,42 @@ def cmd_bench(args) -> int:
         prompts = [encode(lm.tokenizer, it) for it in items]
         drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers)
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
-                      mode=args.acceptance or "rejection", layout=args.verify,
+                      mode=args.acceptance or "rejection",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
-        run_inprocess(engine, drafter, prompts[:1], gamma=gammas[0], **{**common, "max_tokens": 4})  # warm-up
-        base = summarize(*run_inprocess(engine, None, prompts, gamma=1, desc="baseline", **common), gamma=1)
-        results["baseline (speculation off)"] = base
-        for g in gammas:
-            plan = _planner(args, engine) if args.planner == "cost" else None
-            recs, steps, wall = run_inprocess(engine, drafter, prompts, gamma=g, plan=plan, desc=f"gamma {g}",
-                                              **common)
-            results[f"{args.draft} gamma={g}" + (" +planner" if plan else "")] = summarize(recs, steps, wall, g, base)
+        layouts = args.verify.split(",")
+        run_inprocess(engine, drafter, prompts[:1], gamma=gammas[0], layout=layouts[0],
+                      **{**common, "max_tokens": 4})  # warm-up
+        cost = profile_cost(engine) if args.planner == "cost" else None   # SPS table, profiled once
+        configs = [("baseline (speculation off)", None, 1, None, "compact")] + [
+            (f"{args.draft} gamma={g}" + (f" {lay}" if len(layouts) > 1 else "") +
+             (" +planner" if cost else ""), drafter, g, CostPlanner(cost) if cost else None, lay)
+            for g in gammas for lay in layouts]
+        # Interleaved: each batch of prompts runs under every configuration before the next batch, so drifting
+        # machine load (this CPU is shared) hits the baseline and the speculative runs alike.
+        acc = {name: ([], [], 0.0) for name, *_ in configs}
+        hf = None
         if args.peer_hf:
             from ..draft.model import ModelDrafter
             if not isinstance(drafter, ModelDrafter):
                 raise SystemExit("--peer-hf needs a model drafter (a model name or layer-skip)")
-            peer = hf_assisted(lm.model, drafter.engine.model, prompts, args.max_tokens)
+            hf = HFAssisted(lm.model, drafter.engine.model)
+            hf.run(prompts[:1], 4)     # warm-up
+            hf.tokens, hf.wall = 0, 0.0
+        C = args.concurrency
+        for b in tqdm(range(0, len(prompts), C), desc="batches", leave=False):
+            for name, d, g, plan, lay in configs:
+                recs, steps, wall = run_inprocess(engine, d, prompts[b:b + C], gamma=g, plan=plan, layout=lay,
+                                                  **common)
+                r0, s0, w0 = acc[name]
+                acc[name] = (r0 + recs, s0 + steps, w0 + wall)
+            if hf:
+                hf.run(prompts[b:b + C], args.max_tokens)
+        base = summarize(*acc[configs[0][0]], gamma=1)
+        results[configs[0][0]] = base
+        for name, _, g, _, _ in configs[1:]:
+            results[name] = summarize(*acc[name], g, base)
+        if hf:
+            peer = hf.result()
             best = max(v.get("tokens_per_s", 0) for k, v in results.items() if "baseline" not in k)
             peer["ours_over_hf"] = best / peer["tokens_per_s"]
     print(table(list(results.items())))
@@ -122,12 +154,6 @@ def cmd_bench(args) -> int:
 def _rest(run_rest, args, items, params, spec, desc):
     return run_rest(args.url, items, max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                     speculative=spec, desc=desc)
-
-
-def _planner(args, engine):
-    from ..spec.plan import CostPlanner, profile_cost
-    cost = profile_cost(engine)
-    return CostPlanner(cost, fixed_ms=0.0)
 
 
 def cmd_trace_summarize(args) -> int:
@@ -176,7 +202,7 @@ def add_parsers(sub) -> None:
     b.add_argument("--concurrency", type=int, default=1)
     b.add_argument("--gamma", default="4", help="one or more, comma-separated")
     b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"])
-    b.add_argument("--verify", default="compact", choices=["compact", "padded"])
+    b.add_argument("--verify", default="compact", help="compact | padded | compact,padded (A/B in one run)")
     b.add_argument("--planner", default="off", choices=["off", "cost"])
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0)

@@ -62,6 +62,7 @@ def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float,
         "other_ms_per_step": float(np.mean([s.other_ms for s in steps])) if steps else 0.0,
         "rows_per_step": float(np.mean([s.rows for s in steps])) if steps else 0.0,
         "gamma": gamma,
+        "store_round_trips_per_step": getattr(steps[0], "store_round_trips_per_step", None) if steps else None,
         "_itl": itl,     # raw samples for plots; dropped from the JSON
     }
     out["alpha_token"] = alpha_token(out["per_position_acceptance"])

@@ -114,6 +114,7 @@ def run_rest(base_url: str, prompts: list[dict], *, max_tokens: int, concurrency
     n = int(delta("specdec:scheduler_steps_total"))
     per = {k: delta(f"specdec:step_{k}_seconds_total") * 1e3 / max(1, n) for k in ("draft", "verify", "total")}
     rows = delta("specdec:verify_rows_total") / max(1, n)
+    round_trips = delta("specdec:store_round_trips")
     steps = [StepRecord(per["draft"], per["verify"], per["total"] - per["draft"] - per["verify"], int(rows))] * n
     for j in range(64):  # server-wide per-position deltas, carried by the first record
         d = delta(f'specdec:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"')
@@ -121,4 +122,6 @@ def run_rest(base_url: str, prompts: list[dict], *, max_tokens: int, concurrency
             break
         recs[0].drafted_per_pos.append(int(d))
         recs[0].accepted_per_pos.append(int(delta(f'specdec:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"')))
+    for st in steps[:1]:
+        st.store_round_trips_per_step = round_trips / max(1, n)   # reported by summarize when present
     return recs, steps, wall

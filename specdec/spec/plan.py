@@ -149,8 +149,10 @@ class CostPlanner:
     """The verify-length planner (and adaptive gamma). Usable as `plan=` of speculative_step."""
 
     def __init__(self, cost: CostTable, *, fixed_ms: float = 0.0, draft_ms_per_token: float = 0.0,
-                 adaptive_gamma: bool = True, calibration: Calibration | None = None, ema: float = 0.2):
+                 adaptive_gamma: bool = True, calibration: Calibration | None = None, ema: float = 0.2,
+                 learn_costs: bool = True):
         self.cost, self.fixed_ms, self.draft_ms = cost, fixed_ms, draft_ms_per_token
+        self.learn_costs = learn_costs
         self.adaptive_gamma, self.cal, self.ema = adaptive_gamma, calibration or Calibration(), ema
         self.alpha: dict[str, float] = {}
 
@@ -166,7 +168,13 @@ class CostPlanner:
         probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
         return best_plan(probs, caps, self.cost, self.fixed_ms)
 
-    def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int]) -> None:
+    def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int],
+                draft_ms: float | None = None) -> None:
+        if draft_ms is not None and self.learn_costs:
+            # drafting is paid every step whatever is verified: it is the plan's fixed cost
+            drafted = max(1, max((len(p.tokens) for p in props), default=1))
+            self.fixed_ms = (1 - self.ema) * self.fixed_ms + self.ema * draft_ms
+            self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
         for r, p, v, a in zip(reqs, props, vlen, accepted):
             if v <= 1:
                 continue

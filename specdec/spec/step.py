@@ -122,8 +122,8 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     cu_rows = torch.tensor([0] + vlen).cumsum(0)
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])
-    if hasattr(plan, "observe"):  # online calibration of confidence -> acceptance
-        plan.observe(reqs, props, vlen, out.num_accepted.tolist())
+    if hasattr(plan, "observe"):  # online calibration: confidence -> acceptance, and the draft's cost
+        plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3)
 
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
