@@ -5,12 +5,21 @@ runs in a worker thread so the event loop keeps answering health checks, and und
 one engine and its sessions. Sessions are keyed by request id; keeping them in sync by committed length and bounding
 their memory (LRU eviction of idle sessions' KV) is the drafter's job. Every item is checked before anything runs, so
 a bad request is refused whole (INVALID_ARGUMENT naming the field) and never leaves a half-made session.
+
+Security: the server binds loopback unless told otherwise (--host). With --auth-token (env SPECDEC_DRAFT_TOKEN) every
+Drafter call needs metadata `authorization: Bearer <token>` (UNAUTHENTICATED otherwise); grpc.health.v1 stays open for
+probes. With --tls-cert/--tls-key the port speaks TLS only (a plain-text client cannot connect). Requests are parsed
+here rather than by grpc, after the token check, so bytes protobuf refuses (a string field that is not UTF-8) are
+answered INVALID_ARGUMENT; messages over --max-message-mb are refused by grpc with RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import logging
 import math
 import os
@@ -19,6 +28,7 @@ import sys
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
@@ -94,11 +104,31 @@ def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int |
     return dataclasses.replace(item, mode=mode)
 
 
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8", "surrogateescape")).digest()
+
+
+def _bearer(context) -> str | None:
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization" and v[:7].lower() == "bearer ":
+            return v[7:].strip()
+    return None
+
+
 class DrafterServicer(pb_grpc.DrafterServicer):
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, auth_token: str | None = None):
         self.drafter = drafter
         self.vocab_size, self.max_len = _limits(drafter)
         self._lock = asyncio.Lock()        # one engine: torch forwards and session tables are not re-entrant
+        self._token = _digest(auth_token) if auth_token else None
+
+    async def _auth(self, context) -> None:
+        if self._token is None:
+            return
+        got = _bearer(context)
+        if got is None or not hmac.compare_digest(_digest(got), self._token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid draft token (metadata authorization: Bearer <token>)")
 
     async def _exclusive(self, fn, *args):
         """fn(*args) in a worker thread, holding the lock until the thread is done, even when the RPC that asked
@@ -124,6 +154,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                 for a in answers]
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
+        await self._auth(context)
         t0 = time.perf_counter()
         try:
             items = [check_item(k, m, self.vocab_size, self.max_len) for k, m in enumerate(request.items)]
@@ -155,6 +186,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return pb.ProposeResponse(proposals=proposals, drafter=self.drafter.name)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        await self._auth(context)
         ids = list(request.request_ids)
 
         def release():
@@ -164,6 +196,48 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if ids:
             await self._exclusive(release)
         return pb.ReleaseResponse()
+
+
+def _parsed(servicer: DrafterServicer, method, request_type):
+    """A handler over raw bytes: token check, then parse (INVALID_ARGUMENT when protobuf refuses the bytes), then
+    the servicer's method."""
+    async def handler(raw: bytes, context):
+        await servicer._auth(context)
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as e:
+            log.info("%s refused: unparseable request", method.__name__)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {request_type.DESCRIPTOR.full_name} ({e}). Send a well-formed "
+                                "message; string fields must be valid UTF-8")
+        return await method(request, context)
+    return handler
+
+
+def add_drafter_servicer(servicer: DrafterServicer, server) -> None:
+    handlers = {
+        "Propose": grpc.unary_unary_rpc_method_handler(_parsed(servicer, servicer.Propose, pb.ProposeRequest),
+                                                       response_serializer=pb.ProposeResponse.SerializeToString),
+        "Release": grpc.unary_unary_rpc_method_handler(_parsed(servicer, servicer.Release, pb.ReleaseRequest),
+                                                       response_serializer=pb.ReleaseResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+def _pem(x: bytes | str | os.PathLike) -> bytes:
+    if isinstance(x, bytes):
+        return x
+    with open(x, "rb") as f:
+        return f.read()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class _Health(HealthServicer):
@@ -176,19 +250,29 @@ class _Health(HealthServicer):
             self._server_status[s] = health_pb2.HealthCheckResponse.SERVING
 
 
-def build_server(drafter: Drafter, host: str = "127.0.0.1", port: int = 0,
-                 max_message_mb: int = 64) -> tuple[grpc.aio.Server, int]:
+def build_server(drafter: Drafter, host: str = "127.0.0.1", port: int = 0, max_message_mb: int = 64, *,
+                 auth_token: str | None = None, tls_cert: bytes | str | None = None,
+                 tls_key: bytes | str | None = None) -> tuple[grpc.aio.Server, int]:
     """An unstarted grpc.aio server for `drafter` and the bound port (port 0 picks a free one). Call it inside the
-    event loop that will run the server. `server.health` is its health servicer (for graceful shutdown)."""
+    event loop that will run the server. `server.health` is its health servicer (for graceful shutdown).
+    auth_token: Drafter calls need `authorization: Bearer <token>`; tls_cert + tls_key (PEM bytes or paths): TLS
+    only."""
+    if (tls_cert is None) != (tls_key is None):
+        raise SpecdecError("TLS needs both a certificate and its key", field="tls_cert",
+                           remedy="pass both --tls-cert and --tls-key, or neither")
     limit = max_message_mb * 1024 * 1024      # dense draft distributions: gamma x vocab float64 per sampled item
     # grpc turns SO_REUSEPORT on by default: a second server on a busy port would silently share it.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                       ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)])
-    pb_grpc.add_DrafterServicer_to_server(DrafterServicer(drafter), server)
+    add_drafter_servicer(DrafterServicer(drafter, auth_token), server)
     server.health = _Health(("", SERVICE))
     health_pb2_grpc.add_HealthServicer_to_server(server.health, server)
     address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-    bound = server.add_insecure_port(address)     # raises when the address cannot be bound
+    if tls_cert is not None:
+        creds = grpc.ssl_server_credentials([(_pem(tls_key), _pem(tls_cert))])
+        bound = server.add_secure_port(address, creds)     # raises when the address cannot be bound
+    else:
+        bound = server.add_insecure_port(address)
     return server, bound
 
 
@@ -216,12 +300,19 @@ async def serve(args: argparse.Namespace) -> None:
     if stop.is_set():
         return
     try:
-        server, port = build_server(drafter, args.host, args.port, args.max_message_mb)
+        server, port = build_server(drafter, args.host, args.port, args.max_message_mb, auth_token=args.auth_token,
+                                    tls_cert=args.tls_cert, tls_key=args.tls_key)
     except RuntimeError as e:             # grpc's "failed to bind"
         raise SpecdecError(f"cannot listen on {args.host}:{args.port} ({e})", field="port",
                            remedy="pick a free port or another --host") from None
     await server.start()
-    print(f"draft server: drafter {drafter.name} on {args.host}:{port}", flush=True)
+    security = ", ".join(x for x in ("TLS" if args.tls_cert else "", "token auth" if args.auth_token else "") if x)
+    print(f"draft server: drafter {drafter.name} on {args.host}:{port} ({security or 'plain text, no auth'})",
+          flush=True)
+    if not is_loopback(args.host) and not (args.auth_token and args.tls_cert):
+        log.warning("serving on %s without %s: anyone who can reach the port can use the drafter", args.host,
+                    " and ".join(x for x in ("--auth-token" if not args.auth_token else "",
+                                             "TLS (--tls-cert/--tls-key)" if not args.tls_cert else "") if x))
     await stop.wait()
     log.info("draft server: shutting down")
     await server.health.enter_graceful_shutdown()
@@ -251,11 +342,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="gRPC send/receive message limit [SPECDEC_MAX_MESSAGE_MB]")
     p.add_argument("--threads", type=int, default=int(_env("SPECDEC_THREADS", 0)),
                    help="torch threads (0 = torch's default) [SPECDEC_THREADS]")
+    p.add_argument("--auth-token", default=_env("SPECDEC_DRAFT_TOKEN", None) or None,
+                   help="shared secret: Drafter calls need metadata 'authorization: Bearer <token>' (health stays "
+                        "open); prefer the env var, flags show in ps [SPECDEC_DRAFT_TOKEN]")
+    p.add_argument("--tls-cert", default=_env("SPECDEC_DRAFT_TLS_CERT", None) or None,
+                   help="PEM certificate (chain): serve TLS only [SPECDEC_DRAFT_TLS_CERT]")
+    p.add_argument("--tls-key", default=_env("SPECDEC_DRAFT_TLS_KEY", None) or None,
+                   help="PEM private key of --tls-cert [SPECDEC_DRAFT_TLS_KEY]")
     args = p.parse_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is out of range")
     if args.kv_tokens < 1 or args.max_message_mb < 1 or args.threads < 0:
         p.error("--kv-tokens and --max-message-mb must be positive, --threads non-negative")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        p.error("--tls-cert and --tls-key go together")
+    for f in (args.tls_cert, args.tls_key):
+        if f is not None and not os.path.isfile(f):
+            p.error(f"{f}: no such file")
     return args
 
 

@@ -3,16 +3,29 @@
 Called from the scheduler's worker thread, so it uses a blocking channel. Any failure raises, and the speculative
 step then runs as plain decoding for that step; after `fail_threshold` consecutive failures the breaker opens and
 calls fail fast (no network) until `cooldown_s` has passed, then one call probes the server again.
+
+The link can be secured: `token` is sent as metadata `authorization: Bearer <token>` on every call (the draft server's
+--auth-token), and `tls_ca` (PEM bytes or a path) makes the channel TLS, trusting that CA. A draft server that refuses
+the token, or a TLS mismatch, is just an unavailable draft: requests decode without speculation.
+
+Answers are checked before use (the draft server is another process, maybe another host): a proposal with tokens
+outside the vocabulary, more tokens than asked, or missing/malformed distributions counts as a failed call, so a
+broken or hostile drafter can slow requests down but never fail or corrupt them.
 """
 from __future__ import annotations
 
+import math
+import os
 import threading
 import time
 
 import grpc
+import torch
 
 from specdec import wire
-from specdec.spec.propose import DraftItem, Drafter, Proposal
+from specdec.errors import SpecdecError
+from specdec.spec.accept import Mode
+from specdec.spec.propose import Drafter, DraftItem, Proposal
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 
@@ -44,13 +57,66 @@ class CircuitBreaker:
                 self.opened_at = time.monotonic()   # (re)open: a failed probe waits another cooldown
 
 
+class BadProposal(Exception):
+    pass
+
+
+def _read_pem(ca: bytes | str | os.PathLike) -> bytes:
+    if isinstance(ca, bytes):
+        return ca
+    try:
+        with open(ca, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise SpecdecError(f"cannot read the draft server's CA certificate {ca}: {e.strerror}",
+                           field="draft_tls_ca", remedy="pass a readable PEM file") from None
+
+
+def check_proposal(m: pb.Proposal, item: DraftItem, vocab_size: int) -> None:
+    """Raise BadProposal unless `m` is a usable answer to `item`."""
+    if m.status == pb.Proposal.NEED_CONTEXT:
+        return
+    if m.status != pb.Proposal.OK:
+        raise BadProposal(f"unknown status {m.status}")
+    n = len(m.tokens)
+    if n > item.gamma or len(m.confidence) != n:
+        raise BadProposal(f"{n} tokens, {len(m.confidence)} confidences for gamma {item.gamma}")
+    if any(not 0 <= t < vocab_size for t in m.tokens) or not 0 <= m.anchor < vocab_size:
+        raise BadProposal("token id outside the vocabulary")
+    if not all(math.isfinite(c) for c in m.confidence):
+        raise BadProposal("confidence is not finite")
+    needs_q = Mode(item.mode) is Mode.REJECTION and not item.params.greedy and n > 0
+    if needs_q and len(m.q) != n or len(m.q) not in (0, n):
+        raise BadProposal(f"{len(m.q)} distributions for {n} tokens")
+    for d in m.q:                  # shapes here; values after conversion, vectorised (dense rows are vocab-long)
+        if len(d.ids):
+            if len(d.ids) != len(d.probs) or min(d.ids) < 0 or max(d.ids) >= vocab_size:
+                raise BadProposal("malformed sparse distribution")
+        elif len(d.probs) != vocab_size:
+            raise BadProposal("malformed dense distribution")
+
+
+def _converted(m: pb.Proposal, vocab_size: int) -> Proposal:
+    p = wire.proposal_from_pb(m, vocab_size)
+    q = p.q
+    if q is not None and not (bool(torch.isfinite(q).all()) and bool((q >= 0).all()) and bool((q <= 1 + 1e-9).all())):
+        raise BadProposal("probability outside [0, 1]")
+    return p
+
+
 class RemoteDrafter(Drafter):
     def __init__(self, address: str, vocab_size: int, *, deadline_s: float = 1.0, max_message_mb: int = 64,
-                 breaker: CircuitBreaker | None = None):
+                 breaker: CircuitBreaker | None = None, token: str | None = None,
+                 tls_ca: bytes | str | os.PathLike | None = None):
         self.address, self.vocab_size, self.deadline_s = address, vocab_size, deadline_s
         opts = [("grpc.max_receive_message_length", max_message_mb << 20),
                 ("grpc.max_send_message_length", max_message_mb << 20)]
-        self.channel = grpc.insecure_channel(address, options=opts)
+        if tls_ca:
+            creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca))
+            self.channel = grpc.secure_channel(address, creds, options=opts)
+        else:
+            self.channel = grpc.insecure_channel(address, options=opts)
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.stub = pbg.DrafterStub(self.channel)
         self.breaker = breaker or CircuitBreaker()
         self.name = f"remote:{address}"
@@ -73,20 +139,28 @@ class RemoteDrafter(Drafter):
             self.failures += 1
             self.breaker.record(False)
             raise DraftUnavailable(f"draft server {self.address}: {e.code().name}") from None
+        except (BadProposal, ValueError, IndexError, TypeError) as e:   # a malformed answer (or request field)
+            self.failures += 1
+            self.breaker.record(False)
+            raise DraftUnavailable(f"draft server {self.address}: unusable answer ({e})") from None
         self.breaker.record(True)
         return out
 
     def _call(self, items, with_context, deadline) -> list[Proposal | None]:
         req = pb.ProposeRequest(items=[wire.item_to_pb(it, c) for it, c in zip(items, with_context)])
-        resp = self.stub.Propose(req, timeout=max(0.001, deadline - time.monotonic()))
-        return [None if p.status == pb.Proposal.NEED_CONTEXT else wire.proposal_from_pb(p, self.vocab_size)
+        resp = self.stub.Propose(req, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata)
+        if len(resp.proposals) != len(items):
+            raise BadProposal(f"{len(resp.proposals)} proposals for {len(items)} items")
+        for p, it in zip(resp.proposals, items):
+            check_proposal(p, it, self.vocab_size)
+        return [None if p.status == pb.Proposal.NEED_CONTEXT else _converted(p, self.vocab_size)
                 for p in resp.proposals]
 
     def release(self, sid: str) -> None:
         if not self.breaker.allow():
             return  # the server is gone; its sessions with it
         try:
-            self.stub.Release(pb.ReleaseRequest(request_ids=[sid]), timeout=self.deadline_s)
+            self.stub.Release(pb.ReleaseRequest(request_ids=[sid]), timeout=self.deadline_s, metadata=self.metadata)
         except grpc.RpcError:
             pass  # an unreleased session is evicted by the draft server's LRU
 

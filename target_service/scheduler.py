@@ -5,9 +5,14 @@ allow (validation and the state-store record happen before a request ever reache
 `speculative_step` over the whole running batch in a worker thread, commits every request's new tokens to the store
 in one round trip (compare-and-set on committed length, fenced by epoch), and only then streams them.
 
-A commit the store refuses (another owner took the request) ends that request with an error; a store that is down
-rolls the step back — the tokens are regenerated identically next step, since they are a pure function of
-(seed, committed length) — so nothing is lost or duplicated.
+A commit the store refuses (another owner took the request) ends that request with an error. A store that is down
+leaves the step's commit *in doubt* (the script may have run before the connection broke): the step is kept, nothing
+is streamed, and the same commit is retried with backoff until the store answers; a retry the store refuses is then
+reconciled against the stored record (our epoch and exactly our tokens = it had landed). So every token is committed
+once and streamed once, and a client sees only committed tokens.
+
+Every request has a deadline (its `timeout_s`, else the server's `request_timeout_s`): past it the request leaves the
+queue or the batch at the next step boundary with finish_reason "timeout", its KV and draft session freed.
 """
 from __future__ import annotations
 
@@ -52,6 +57,9 @@ class Job:
     last_token_at: float | None = None
     cancelled: bool = False
     resumed_tokens: int = 0          # output tokens that were committed before this (re)start
+    timeout_s: float | None = None   # per-request limit; None: the scheduler's request_timeout_s
+    deadline: float | None = None    # perf_counter time past which the request ends with finish_reason "timeout"
+    timed_out: bool = False
 
     @property
     def rid(self) -> str:
@@ -64,7 +72,27 @@ class SchedulerConfig:
     max_queue: int = 64
     layout: str = "compact"
     step_delay_s: float = 0.0        # fault injection (tests): a slow target
+    request_timeout_s: float = 600.0  # default per-request deadline (queue + generation); 0 = none
+    store_retry_s: tuple[float, float] = (0.1, 1.0)   # backoff (first, max) while the state store is down
     instance_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A step whose commit the store has not acknowledged yet: the jobs, their commits, the step's info."""
+    jobs: list[Job]
+    commits: list[Commit]
+    info: StepInfo
+    step_s: float
+    pre_len: list[int]               # per job: committed length before the step
+    in_doubt: bool = False           # a commit attempt failed with the outcome unknown
+    attempts: int = 0
+
+    def drop(self, job: Job) -> None:
+        k = self.jobs.index(job)
+        for lst in (self.jobs, self.commits, self.pre_len, self.info.verify_len, self.info.accepted,
+                    self.info.emitted):
+            del lst[k]
 
 
 class Scheduler:
@@ -77,13 +105,18 @@ class Scheduler:
         self.engine_lock = asyncio.Lock()          # the engine is not re-entrant: steps, prefills, Verify calls
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._pending: _Pending | None = None
+        self._background: set[asyncio.Task] = set()   # fire-and-forget store writes (held so they are not collected)
         self.steps = 0
+        self._gauges()
 
     # -- admission --------------------------------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
-        if len(self.waiting) >= self.cfg.max_queue:
-            raise QueueFull(f"{len(self.waiting)} requests are queued (limit {self.cfg.max_queue})")
+        self.check_capacity()
         job.detok = StreamDecoder(self.tok)
+        limit = job.timeout_s if job.timeout_s is not None else self.cfg.request_timeout_s
+        if limit and job.deadline is None:
+            job.deadline = job.submitted + limit
         if job.req.output:  # resumed: the text of what was already committed
             job.detok.push(job.req.output)
             job.text = self.tok.decode(job.req.output)
@@ -92,6 +125,11 @@ class Scheduler:
         self._wake.set()
         self._gauges()
         return job
+
+    def check_capacity(self) -> None:
+        """Raise QueueFull now if `submit` would (callers check before writing any state)."""
+        if len(self.waiting) >= self.cfg.max_queue:
+            raise QueueFull(f"{len(self.waiting)} requests are queued (limit {self.cfg.max_queue})")
 
     def cancel(self, job: Job) -> None:
         """Client gone: the job leaves the batch at the next step boundary; KV and draft session are freed."""
@@ -149,7 +187,7 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             try:
-                await self._reap_cancelled()
+                await self._reap()
                 await self._admit()
                 if not self.running:
                     self._wake.clear()
@@ -163,38 +201,59 @@ class Scheduler:
                 raise
             except Exception:  # noqa: BLE001 - a bug in one step must not kill the server; fail the batch loudly
                 log.exception("scheduler step failed; failing the running requests")
-                failed, self.running = self.running, []
+                failed, self.running, self._pending = self.running, [], None
                 for j in failed:
                     j.events.put_nowait(Event([], "", error="internal error during generation"))
                 await self._release(failed)
 
     async def _step(self) -> None:
+        if self._pending is not None:          # the store was down: finish that step before running another
+            await self._commit(self._pending)
+            return
         t_start = time.perf_counter()
         batch = list(self.running)
-        before = [(len(j.req.output), j.req.draft_seen) for j in batch]
+        before = [len(j.req.output) for j in batch]
         async with self.engine_lock:
             info: StepInfo = await asyncio.to_thread(speculative_step, self.engine, self.drafter,
                                                      [j.req for j in batch], layout=self.cfg.layout, plan=plan_full)
         self.steps += 1
         if self.cfg.step_delay_s:
             await asyncio.sleep(self.cfg.step_delay_s)
+        for j in batch:  # a stop string ends the request: decide it before the commit, so the record says so
+            if j.stop and not j.req.finish_reason and any(x in self.tok.decode(j.req.output) for x in j.stop):
+                j.req.finish_reason = "stop"
         commits = [Commit(j.rid, j.record.epoch, len(j.req.prompt) + n0, toks,
                           status="finished" if j.req.finish_reason else None, finish_reason=j.req.finish_reason,
                           stats=dataclasses.asdict(j.req.stats) if j.req.finish_reason else None)
-                   for j, (n0, _), toks in zip(batch, before, info.emitted)]
+                   for j, n0, toks in zip(batch, before, info.emitted)]
+        await self._commit(_Pending(batch, commits, info, time.perf_counter() - t_start,
+                                    [len(j.req.prompt) + n0 for j, n0 in zip(batch, before)]))
+
+    async def _commit(self, p: _Pending) -> None:
+        """Commit a step, then stream it. Store down: keep the step pending (retried next iteration, after a
+        backoff); nothing is streamed until the store has the tokens."""
         t_commit = time.perf_counter()
         try:
-            ok = await self.store.commit(commits)
-        except StoreUnavailable:
-            log.warning("state store unavailable: rolling the step back, retrying")
-            async with self.engine_lock:
-                for j, (n0, seen) in zip(batch, before):
-                    self._rollback(j, n0, seen)
-            await asyncio.sleep(0.2)
+            ok = await self.store.commit(p.commits)
+            if p.in_doubt and not all(ok):
+                ok = await self._reconcile(p, ok)
+        except StoreUnavailable as e:
+            if not p.in_doubt:
+                log.warning("state store unavailable (%s): holding the step's commit, retrying", e)
+            p.in_doubt, p.attempts = True, p.attempts + 1
+            self._pending = p
+            if self.metrics and hasattr(self.metrics, "store_errors"):
+                self.metrics.store_errors.labels(**self.metrics.labels).inc()
+            first, most = self.cfg.store_retry_s
+            await asyncio.sleep(min(most, first * 2 ** (p.attempts - 1)))
             return
+        if p.in_doubt:
+            log.warning("state store back: step committed after %d failed attempts", p.attempts)
+        self._pending = None
+        batch, info = p.jobs, p.info
         now = time.perf_counter()
         if self.metrics:
-            self.metrics.observe_step(batch, info, now - t_start)
+            self.metrics.observe_step(batch, info, p.step_s + (now - t_commit))
         if self.trace:
             self.trace.write([j.req for j in batch], info, commit_ms=(now - t_commit) * 1e3)
         for j, good, toks in zip(batch, ok, info.emitted):
@@ -203,15 +262,24 @@ class Scheduler:
                 j.req.finish_reason = "error"
                 continue
             self._stream(j, toks, now)
+        done = [j for j in batch if j.req.finish_reason]
         self.running = [j for j in self.running if not j.req.finish_reason]
-        await self._release([j for j in batch if j.req.finish_reason])
+        await self._release(done)
         self._gauges()
 
-    def _rollback(self, j: Job, n_out: int, draft_seen: int) -> None:
-        r = j.req
-        del r.output[n_out:]
-        r.finish_reason, r.draft_seen = None, min(draft_seen, r.committed_len)
-        self.engine.truncate(r.seq, min(self.engine.length(r.seq), r.committed_len - 1))
+    async def _reconcile(self, p: _Pending, ok: list[bool]) -> list[bool]:
+        """A retried commit was refused: did the first attempt land? It did iff the record is still ours (same epoch)
+        and holds exactly this step's output. Otherwise the refusal is real (another owner claimed the request)."""
+        out = list(ok)
+        for k, (j, c) in enumerate(zip(p.jobs, p.commits)):
+            if out[k]:
+                continue
+            rec = await self.store.get(j.rid)
+            out[k] = (rec is not None and rec.epoch == c.epoch and rec.output == j.req.output
+                      and (c.status is None or rec.status == c.status))
+            if out[k]:
+                log.info("commit of %s had landed before the store went away", j.rid)
+        return out
 
     def _stream(self, j: Job, toks: list[int], now: float) -> None:
         if toks:
@@ -239,23 +307,50 @@ class Scheduler:
         j.events.put_nowait(Event(toks, j.text[j.sent_chars:upto], finish))
         j.sent_chars = upto
 
-    async def _reap_cancelled(self) -> None:
-        gone = [j for j in self.running if j.cancelled]
-        if not gone:
+    async def _reap(self) -> None:
+        """Step boundary: drop cancelled (client gone) and timed-out requests from the queue and the batch, free
+        their KV and draft sessions, record them. A request in a step whose commit is held leaves that step too."""
+        now = time.perf_counter()
+        for j in self.waiting + self.running:
+            if not j.cancelled and j.deadline is not None and now >= j.deadline and not j.req.finish_reason:
+                j.timed_out = True
+        gone = [j for j in self.running if j.cancelled or j.timed_out]
+        expired = [j for j in self.waiting if j.cancelled or j.timed_out]
+        if not gone and not expired:
             return
-        self.running = [j for j in self.running if not j.cancelled]
-        for j in gone:
-            j.req.finish_reason = "cancelled"
-            asyncio.create_task(self._record_cancel(j))
+        if expired:
+            self.waiting = [j for j in self.waiting if j not in expired]
+        self.running = [j for j in self.running if j not in gone]
+        for j in expired + gone:
+            lens = [j.req.committed_len]
+            if self._pending is not None and j in self._pending.jobs:
+                # its last step is uncommitted (store down): the record holds one of these two lengths
+                lens = [self._pending.pre_len[self._pending.jobs.index(j)], j.req.committed_len]
+                self._pending.drop(j)
+                if not self._pending.jobs:
+                    self._pending = None
+            reason = "cancelled" if j.cancelled else "timeout"
+            j.req.finish_reason = reason
+            if self.metrics:
+                self.metrics.requests.labels(finished_reason=reason, **self.metrics.labels).inc()
+            if reason == "timeout":
+                # the client is still there: record the end first, so what it is told is what the store says
+                await self._record_end(j, reason, lens)
+                j.events.put_nowait(Event([], j.text[j.sent_chars:], "timeout"))
+                j.sent_chars = len(j.text)
+                continue
+            task = asyncio.create_task(self._record_end(j, reason, lens))  # client gone: no one waits for it
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         await self._release(gone)
         self._gauges()
 
-    async def _record_cancel(self, j: Job) -> None:
+    async def _record_end(self, j: Job, reason: str, lens: list[int]) -> None:
         try:
-            await self.store.commit([Commit(j.rid, j.record.epoch, j.req.committed_len, [], status="cancelled",
-                                            finish_reason="cancelled")])
+            await self.store.commit([Commit(j.rid, j.record.epoch, n, [], status="cancelled", finish_reason=reason,
+                                            stats=dataclasses.asdict(j.req.stats)) for n in lens])
         except StoreUnavailable:
-            pass
+            log.warning("could not record %s of %s: state store unavailable", reason, j.rid)
 
     async def _release(self, jobs: list[Job]) -> None:
         """Free KV (under the engine lock) and the draft sessions (off the event loop: it is a blocking RPC)."""
@@ -280,3 +375,5 @@ class Scheduler:
         if self.metrics:
             self.metrics.running.set(len(self.running))
             self.metrics.waiting.set(len(self.waiting))
+            if hasattr(self.metrics, "kv_free_tokens"):
+                self.metrics.kv_free_tokens.set(self.engine.kv.free_tokens)

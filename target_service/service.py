@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import secrets
 import time
 
@@ -16,9 +17,9 @@ from specdec.spec.sampling import SamplingParams, probs
 from specdec.spec.step import SpecRequest
 from specdec.spec.validation import EMBEDDED, assign_seed, validate_request
 from specdec.spec.verify import VerifyItem, verify
-from specdec.state import RequestExists, RequestRecord, StateStore
+from specdec.state import RequestExists, RequestRecord, StateStore, StoreUnavailable
 
-from .scheduler import Event, Job, Scheduler
+from .scheduler import Event, Job, QueueFull, Scheduler
 
 
 class NotFound(Exception):
@@ -39,10 +40,20 @@ class GenerationSpec:
     gamma: int | None = None
     mode: str | None = None
     rid: str | None = None
+    timeout_s: float | None = None      # deadline for the whole request (queue + generation); None: server default
 
 
 def new_request_id() -> str:
     return "req-" + secrets.token_hex(16)       # 128 random bits: ids are unguessable
+
+
+def check_timeout(timeout_s) -> None:
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or not 0 < timeout_s <= 86400:
+        raise InvalidRequest(f"{timeout_s!r} is out of range", field="timeout_s",
+                             remedy="use seconds in (0, 86400], or leave it unset for the server's default")
 
 
 def key_hash(api_key: str | None) -> str:
@@ -69,6 +80,8 @@ class TargetService:
         if spec.rid is not None and (not isinstance(spec.rid, str) or not 0 < len(spec.rid) <= 128):
             raise InvalidRequest(f"{spec.rid!r} is not a valid id", field="request_id",
                                  remedy="use 1..128 characters, or leave it unset to get a generated id")
+        check_timeout(spec.timeout_s)
+        self.scheduler.check_capacity()     # refuse a full queue before writing the record (429, nothing written)
         params = assign_seed(spec.params, self.caps)
         rid = spec.rid or new_request_id()
         req = SpecRequest(rid, list(spec.prompt), params, spec.max_tokens,
@@ -85,35 +98,57 @@ class TargetService:
         except RequestExists:
             raise InvalidRequest(f"request {rid} already exists", field="request_id",
                                  remedy="resume it with resume=true, or use a new id") from None
+        try:
+            job = self.scheduler.submit(Job(req, rec, stop=tuple(spec.stop), timeout_s=spec.timeout_s))
+        except QueueFull:
+            # the queue filled while the record was written: undo it, so a retry with the same id works
+            try:
+                await self.store.delete(rid)
+            except StoreUnavailable:
+                pass
+            raise
         if self.metrics:
             self.metrics.prompt_tokens.labels(**self.metrics.labels).inc(len(req.prompt))
-        return self.scheduler.submit(Job(req, rec, stop=tuple(spec.stop)))
+        return job
 
-    async def resume(self, rid: str, api_key: str | None = None) -> Job:
+    async def resume(self, rid: str, api_key: str | None = None, timeout_s: float | None = None) -> Job:
         """Continue a request from its committed tokens and seed (after a target restart, or from another instance).
         Its RNG state is (seed, committed length), so it ends with exactly the uninterrupted output."""
+        check_timeout(timeout_s)
         rec = await self.store.get(rid)
         if rec is None:
             raise NotFound(f"no request {rid}")
         if rec.key_hash != key_hash(api_key):
             raise Forbidden(f"request {rid} belongs to another API key")
+        if self._resumable(rec):
+            self.scheduler.check_capacity()     # before the claim: a refused resume must not fence the running owner
+            epoch = await self.store.claim(rid, self.scheduler.cfg.instance_id)   # fences any older owner
+            # re-read after the fence: the previous owner may have committed between our read and the claim, and
+            # a commit at the older length would be refused
+            rec = await self.store.get(rid)
+            if rec is None:
+                raise NotFound(f"no request {rid}")
+            rec.epoch = epoch
         params = SamplingParams(**rec.params)
         req = SpecRequest(rid, rec.prompt, params, rec.max_tokens, Mode(rec.mode), rec.gamma, self.tok.eos_ids,
                           output=list(rec.output))
-        if rec.status != "running" or len(rec.output) >= rec.max_tokens:
+        if not self._resumable(rec):
             job = Job(req, rec, stop=tuple(rec.stop))  # already finished: answer from the record
             job.resumed_tokens = len(rec.output)
             text = self.tok.decode(rec.output)
             job.events.put_nowait(Event(list(rec.output), text, rec.finish_reason or "length"))
             return job
-        rec.epoch = await self.store.claim(rid, self.scheduler.cfg.instance_id)   # fences any older owner
-        job = Job(req, rec, stop=tuple(rec.stop))
+        job = Job(req, rec, stop=tuple(rec.stop), timeout_s=timeout_s)
         job.resumed_tokens = len(rec.output)
         job = self.scheduler.submit(job)
         # the client gets the whole output: first what was committed before (queued ahead of any new tokens, since
         # nothing awaits between submit and here), then the rest as it comes
         job.events.put_nowait(Event(list(rec.output), job.text[:job.sent_chars]))
         return job
+
+    @staticmethod
+    def _resumable(rec: RequestRecord) -> bool:
+        return rec.status == "running" and len(rec.output) < rec.max_tokens
 
     async def verify_block(self, context: list[int], drafts: list[int], q: torch.Tensor | None,
                            params: SamplingParams, mode: str | None) -> tuple[list[int], int, int | None]:

@@ -48,6 +48,17 @@ def test_calibration_learns():
     assert cal.prob(0.9) == pytest.approx(0.3, abs=0.05)
 
 
+def test_cost_table_learns_online():
+    t = CostTable([1, 2, 4, 8], [100.0, 200.0, 400.0, 800.0])     # profiled on a busy machine
+    for _ in range(40):
+        t.update(4, 20.0)
+        t.update(1, 18.0)
+    assert t(4) == pytest.approx(20.0, rel=0.01) and t(1) == pytest.approx(18.0, rel=0.01)
+    assert all(a <= b for a, b in zip(t.ms, t.ms[1:]))
+    t.update(3, 1.0)                                              # not a profiled point: ignored
+    assert t(4) == pytest.approx(20.0, rel=0.01)
+
+
 def test_gamma_adapts():
     assert leviathan_gain(0.0, 4) == 1 and leviathan_gain(1.0, 4) == 5
     assert best_gamma(0.95, 0.05, 8) >= 6 and best_gamma(0.2, 0.3, 8) == 1

@@ -268,7 +268,7 @@ def test_draft_killed_mid_stream_then_restarted(tmp, lm, redis_url):
             assert o.choices[0].text == reference(lm, lm.tokenizer.encode(p), 120)[0]
         assert counter(t, "specdec:spec_decode_fallback_steps_total") > 0
         accepted_before = counter(t, "specdec:spec_decode_num_accepted_tokens_total")
-        Draft(tmp, port=d.port).up()                           # back on the same address
+        d = Draft(tmp, port=d.port).up()                       # back on the same address
         time.sleep(2.5)                                        # breaker cooldown
         again = client(t).completions.create(model="tiny-llama", prompt="after restart", max_tokens=60,
                                              temperature=0)

@@ -43,6 +43,15 @@ class CostTable:
         lo, hi = i - 1, i
         return m[lo] + (m[hi] - m[lo]) * (n - r[lo]) / (r[hi] - r[lo])
 
+    def update(self, n: int, ms: float, ema: float = 0.2) -> None:
+        """Online correction from a measured verify: move the nearest profiled point toward it (a start-up profile
+        taken on a busy machine would otherwise mislead the planner for good)."""
+        i = min(range(len(self.rows)), key=lambda k: abs(self.rows[k] - n))
+        if self.rows[i] == n:
+            self.ms[i] = m = (1 - ema) * self.ms[i] + ema * ms
+            # keep the table non-decreasing around the moved point: smaller row counts cannot cost more
+            self.ms = [min(x, m) if k < i else max(x, m) if k > i else x for k, x in enumerate(self.ms)]
+
     @classmethod
     def linear(cls, base_ms: float, per_row_ms: float, max_rows: int = 256) -> "CostTable":
         return cls([1, max_rows], [base_ms + per_row_ms, base_ms + per_row_ms * max_rows])
@@ -169,7 +178,9 @@ class CostPlanner:
         return best_plan(probs, caps, self.cost, self.fixed_ms)
 
     def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int],
-                draft_ms: float | None = None) -> None:
+                draft_ms: float | None = None, verify_ms: float | None = None) -> None:
+        if verify_ms is not None and self.learn_costs:
+            self.cost.update(sum(vlen), verify_ms)
         if draft_ms is not None and self.learn_costs:
             # drafting is paid every step whatever is verified: it is the plan's fixed cost
             drafted = max(1, max((len(p.tokens) for p in props), default=1))

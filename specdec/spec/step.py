@@ -123,7 +123,8 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])
     if hasattr(plan, "observe"):  # online calibration: confidence -> acceptance, and the draft's cost
-        plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3)
+        plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3,
+                     verify_ms=(t2 - t1) * 1e3)
 
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
