@@ -14,6 +14,7 @@ CASES = [
     # (request kwargs, caps, field, words the message must contain)
     (dict(params=SamplingParams(temperature=-0.5)), EMBEDDED, "temperature", ["-0.5", "greedy"]),
     (dict(params=SamplingParams(temperature=float("nan"))), EMBEDDED, "temperature", ["nan"]),
+    (dict(params=SamplingParams(temperature=5e-324)), EMBEDDED, "temperature", ["5e-324", "[1e-6, 100]"]),
     (dict(params=SamplingParams(temperature=1.0, top_p=1.5)), EMBEDDED, "top_p", ["1.5", "(0, 1]"]),
     (dict(params=SamplingParams(temperature=1.0, top_k=-1)), EMBEDDED, "top_k", ["-1", "positive"]),
     (dict(params=SamplingParams(temperature=1.0, min_p=2.0)), EMBEDDED, "min_p", ["2.0", "[0, 1)"]),

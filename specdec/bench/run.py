@@ -46,7 +46,7 @@ def run_inprocess(engine, drafter, prompts: list[list[int]], *, max_tokens: int,
 
 
 def _metric(text: str, name: str) -> float:
-    """Sum of a metric's samples; `name` may end inside the label set (name{label="x"), to select by label."""
+    """Sum of a metric's samples over all label sets."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and line[len(name)] in '{ ,}')
 
@@ -116,12 +116,18 @@ def run_rest(base_url: str, prompts: list[dict], *, max_tokens: int, concurrency
     rows = delta("specdec:verify_rows_total") / max(1, n)
     round_trips = delta("specdec:store_round_trips")
     steps = [StepRecord(per["draft"], per["verify"], per["total"] - per["draft"] - per["verify"], int(rows))] * n
+    def pos_delta(name, j):
+        def get(text):
+            return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                       if x.startswith(name + "{") and f'position="{j}"' in x)
+        return get(after) - get(before)
+
     for j in range(64):  # server-wide per-position deltas, carried by the first record
-        d = delta(f'specdec:spec_decode_num_draft_tokens_per_pos_total{{position="{j}"')
+        d = pos_delta("specdec:spec_decode_num_draft_tokens_per_pos_total", j)
         if d <= 0 or not recs:
             break
         recs[0].drafted_per_pos.append(int(d))
-        recs[0].accepted_per_pos.append(int(delta(f'specdec:spec_decode_num_accepted_tokens_per_pos_total{{position="{j}"')))
+        recs[0].accepted_per_pos.append(int(pos_delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", j)))
     for st in steps[:1]:
         st.store_round_trips_per_step = round_trips / max(1, n)   # reported by summarize when present
     return recs, steps, wall
