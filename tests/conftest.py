@@ -76,3 +76,41 @@ def redis_url():
     yield f"redis://127.0.0.1:{port}/0"
     proc.terminate()
     proc.wait(10)
+
+
+# -- one real stack per test module (draft server + target server on Redis), for the integration suites ------------
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory, request):
+    return tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+
+
+@pytest.fixture(scope="module")
+def ns():
+    """A Redis namespace of the module's own, so suites never see each other's keys."""
+    import uuid
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def draft(tmp):
+    from .stack import Draft       # (stack imports this module: import here, not at the top)
+    d = Draft(tmp).up()
+    try:
+        yield d
+    finally:
+        d.kill()
+
+
+@pytest.fixture(scope="module")
+def target(tmp, draft, redis_url, ns):
+    from .stack import Target
+    t = Target(tmp, draft=draft.addr, redis_url=redis_url, namespace=ns).up()
+    try:
+        yield t
+    finally:
+        t.kill()

@@ -31,32 +31,12 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 
 from .conftest import _redis_answers, free_port
-from .stack import Draft, Target
+from .stack import Target
 
 pytestmark = pytest.mark.timeout(240)
 
 
 # -- helpers -----------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("faults")
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def draft(tmp):
-    d = Draft(tmp).up()
-    try:
-        yield d
-    finally:
-        d.kill()
-        assert not d.alive()
-
-
 _refs: dict = {}
 # prompts whose greedy tiny-llama output runs >= 250 tokens before EOS (most prompts stop within ~60): long enough to
 # still be streaming when a fault hits

@@ -12,7 +12,6 @@
 import json
 import os
 import time
-import uuid
 
 import grpc
 import httpx
@@ -20,47 +19,17 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.engine.engine import Engine
-from specdec.engine.registry import load
 from specdec.generate import Request, generate
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 
-from .stack import Draft, Target
+from .stack import Target
 
 pytestmark = pytest.mark.timeout(600)
 
 V, CONTEXT = 96, 512           # tiny-llama
 EXAMPLES = int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "100"))     # per operation and generation mode
 ERROR_KEYS = {"message", "type", "param", "code"}
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("fuzz")
-
-
-@pytest.fixture(scope="module")
-def ns():
-    return f"fuzz-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def draft(tmp):
-    d = Draft(tmp).up()
-    yield d
-    d.kill()
-
-
-@pytest.fixture(scope="module")
-def target(tmp, draft, redis_url, ns):
-    t = Target(tmp, draft=draft.addr, redis_url=redis_url, namespace=ns).up()
-    yield t
-    t.kill()
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load("tiny-llama")
 
 
 def redis_keys(redis_url, ns) -> int:

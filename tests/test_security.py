@@ -28,7 +28,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import AuthenticationError, OpenAI, PermissionDeniedError
 
 from specdec.engine.engine import Engine
-from specdec.engine.registry import load
 from specdec.generate import Request, generate
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
@@ -40,28 +39,6 @@ pytestmark = pytest.mark.timeout(600)
 
 K1, K2 = f"sk-one-{uuid.uuid4().hex}", f"sk-two-{uuid.uuid4().hex}"
 SERVING = health_pb2.HealthCheckResponse.SERVING
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("security")
-
-
-@pytest.fixture(scope="module")
-def ns():
-    return f"sec-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load("tiny-llama")
-
-
-@pytest.fixture(scope="module")
-def draft(tmp):
-    d = Draft(tmp).up()
-    yield d
-    d.kill()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import pytest
 from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from specdec.engine.engine import Engine
-from specdec.engine.registry import load
 from specdec.generate import Request, generate
 from specdec.spec.sampling import SamplingParams
 from specdec.state import open_store
@@ -22,35 +21,6 @@ from specdec.v1 import specdec_pb2_grpc as pbg
 from .stack import Draft, Target
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory):
-    return tmp_path_factory.mktemp("stack")
-
-
-@pytest.fixture(scope="module")
-def ns():
-    return f"test-{uuid.uuid4().hex[:8]}"
-
-
-@pytest.fixture(scope="module")
-def draft(tmp):
-    d = Draft(tmp).up()
-    yield d
-    d.kill()
-
-
-@pytest.fixture(scope="module")
-def target(tmp, draft, redis_url, ns):
-    t = Target(tmp, draft=draft.addr, redis_url=redis_url, namespace=ns).up()
-    yield t
-    t.kill()
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return load("tiny-llama")
 
 
 def reference(lm, prompt_ids, max_tokens, params=SamplingParams()):
