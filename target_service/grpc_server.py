@@ -31,7 +31,6 @@ from .service import Forbidden, GenerationSpec, NotFound, TargetService
 
 log = logging.getLogger("specdec.grpc")
 LONG_TEXT = 1 << 16            # tokenize prompts longer than this off the event loop
-MIN_TEMPERATURE = 1e-6
 MAX_MESSAGE_CHARS = 1024
 _LONG_QUOTED = re.compile(r"""(['"])([^'"]{40})[^'"]{24,}\1""")
 
@@ -45,15 +44,6 @@ def clip(message: str) -> str:
         half = MAX_MESSAGE_CHARS // 2 - 3
         message = f"{message[:half]} ... {message[-half:]}"
     return message
-
-
-def check_temperature(t: float) -> None:
-    """Temperatures in (0, MIN_TEMPERATURE) are refused: logits / 5e-324 overflow to inf, the distribution becomes
-    NaN and the sampler cannot draw from it (it failed the whole batch's step). 0 is the way to ask for greedy.
-    (The natural home of this rule is specdec.spec.validation.validate_sampling.)"""
-    if 0 < t < MIN_TEMPERATURE:
-        raise InvalidRequest(f"{t!r} is out of range", field="temperature",
-                             remedy=f"use 0 (greedy) or a value in [{MIN_TEMPERATURE}, 100]")
 
 
 def _key(context) -> str | None:
@@ -137,7 +127,6 @@ class TargetServicer(pbg.TargetServicer):
                               else self.svc.tok.encode(text))
                 else:
                     prompt = list(request.prompt_ids.ids)
-                check_temperature(request.sampling.temperature)
                 sp = request.speculative
                 mode = wire.mode_from_pb(sp.mode)
                 if sp.mode and mode is None:
@@ -195,7 +184,6 @@ class TargetServicer(pbg.TargetServicer):
                                      remedy=f"send at most {max_drafts}")
             if len(request.q):
                 check_q(request.q, len(request.draft_tokens), V)
-            check_temperature(request.sampling.temperature)
             mode = wire.mode_from_pb(request.mode)
             if request.mode and mode is None:
                 raise InvalidRequest(f"unknown acceptance mode {request.mode}", field="mode",

@@ -32,10 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import InvalidRequest, SpecdecError
 from specdec.spec.sampling import SamplingParams
-from specdec.spec.validation import EMBEDDED, validate_request
+from specdec.spec.validation import EMBEDDED, MIN_TEMPERATURE, validate_request
 from specdec.state import StoreUnavailable
 
-from .grpc_server import MIN_TEMPERATURE, check_temperature, clip
+from .grpc_server import clip
 from .scheduler import Job, QueueFull
 from .service import Forbidden, GenerationSpec, NotFound, TargetService
 
@@ -347,7 +347,6 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
             raise InvalidRequest("logprobs are not supported", field="logprobs", remedy="leave logprobs unset")
         if getattr(body, "echo", False):
             raise InvalidRequest("echo is not supported", field="echo", remedy="leave echo unset")
-        check_temperature(body.temperature)
         spec = body.speculative or Speculative()
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import uuid
 from typing import Callable, TextIO
 
@@ -126,9 +125,3 @@ class SpeculativeGenerator:
         if hits:
             texts[i] = text[:min(hits)]
         return bool(hits)
-
-
-def run_timed(gen: SpeculativeGenerator, requests: list[GenRequest]) -> tuple[list[GenOutput], float]:
-    t = time.perf_counter()
-    outs = gen.generate(requests)
-    return outs, time.perf_counter() - t

@@ -9,13 +9,16 @@ import secrets
 from ..errors import InvalidRequest
 from .sampling import SamplingParams
 
+# Below this (and above 0) logits / T overflow to inf and the distribution becomes NaN; 0 is how to ask for greedy.
+MIN_TEMPERATURE = 1e-6
+
 
 def validate_sampling(p: SamplingParams) -> None:
     def bad(field, value, rule):
         raise InvalidRequest(f"{value!r} is out of range: {rule}", field=field)
 
     if not isinstance(p.temperature, (int, float)) or math.isnan(p.temperature) or not 0 <= p.temperature <= 100 \
-            or 0 < p.temperature < 1e-6:  # logits / 1e-300 overflow to NaN probabilities
+            or 0 < p.temperature < MIN_TEMPERATURE:
         bad("temperature", p.temperature, "use 0 (greedy) or a value in [1e-6, 100]")
     if not isinstance(p.top_k, int) or p.top_k < 0:
         bad("top_k", p.top_k, "use 0 (off) or a positive integer")
