@@ -366,7 +366,7 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
         prompt = await prompt_fn() if given & {"prompt", "messages"} else [1]
         spec = to_spec(body, prompt)
         max_tokens = spec.max_tokens if given & {"max_tokens", "max_completion_tokens"} else 1
-        gamma = (svc.gamma if spec.gamma is None else spec.gamma) if spec.speculative else 1
+        gamma = spec.gamma if spec.gamma is not None else (svc.gamma if spec.speculative else 1)
         validate_request(prompt, spec.params, max_tokens, gamma, spec.mode or svc.mode, svc.caps, vocab, context,
                          stop=spec.stop)
 

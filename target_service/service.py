@@ -75,7 +75,9 @@ class TargetService:
         """Everything is checked before anything is written; then the record (with its seed), then the queue."""
         gamma = self.gamma if spec.gamma is None else spec.gamma
         mode = spec.mode or self.mode
-        validate_request(spec.prompt, spec.params, spec.max_tokens, gamma if spec.speculative else 1, mode, self.caps,
+        # a gamma the client sent is checked even with speculation off (the schema promises 1..max_gamma)
+        checked = gamma if spec.speculative or spec.gamma is not None else 1
+        validate_request(spec.prompt, spec.params, spec.max_tokens, checked, mode, self.caps,
                          self.engine.vocab_size, self.engine.cfg.max_seq_len, stop=spec.stop)
         if spec.rid is not None and (not isinstance(spec.rid, str) or not 0 < len(spec.rid) <= 128):
             raise InvalidRequest(f"{spec.rid!r} is not a valid id", field="request_id",

@@ -161,6 +161,7 @@ BAD_REST = [
     ({"prompt": [1, 2, 99999], "max_tokens": 5}, "prompt"),
     ({"prompt": "x", "max_tokens": 5, "top_p": 7}, "top_p"),
     ({"prompt": "x", "max_tokens": 5, "speculative": {"gamma": 0}}, "gamma"),
+    ({"prompt": "x", "max_tokens": 5, "speculative": {"gamma": 0, "enabled": False}}, "gamma"),
     ({"prompt": "x", "max_tokens": 5, "speculative": {"acceptance": "typical"}}, "speculative.acceptance"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x" * 600, "max_tokens": 5}, "prompt"),
