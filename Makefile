@@ -12,7 +12,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Write a haiku about speculative decoding.
 MAX_TOKENS ?= 64
 
-.PHONY: install run generate test test-fast bench-engine models-qwen clean
+.PHONY: install run generate test test-fast bench-engine bench-invariance models-qwen clean
 
 STUBS := specdec/v1/specdec_pb2.py specdec/v1/specdec_pb2_grpc.py
 install: $(VENV)/.installed $(STUBS)
@@ -47,6 +47,11 @@ test-fast: install
 
 bench-engine: install
 	$(BIN)/python benchmarks/engine_bench.py --model $(MODEL)
+
+# Opt-in, never part of `make test`: Engine(batch_invariant=True) vs False, decode and verify cost (SmolLM2, and Qwen
+# 1.5B if assembled); e.g. INVARIANCE_ARGS="--qwen-equality" adds the Qwen target/draft greedy equality check.
+bench-invariance: install
+	$(BIN)/python benchmarks/invariance_cost.py $(INVARIANCE_ARGS)
 
 # Opt-in (1.6 GB download, never in CI): the Qwen2.5-Coder target/draft pair, assembled once and checksummed.
 models-qwen: install

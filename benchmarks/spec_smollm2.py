@@ -22,8 +22,8 @@ from specdec.draft import make_drafter
 from specdec.draft.model import layer_skip
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
-from specdec.spec.generator import GenRequest, SpeculativeGenerator
-from specdec.spec.sampling import SamplingParams, probs
+from specdec.speculative.generator import GenRequest, SpeculativeGenerator
+from specdec.speculative.sampling import SamplingParams, probs
 
 PROMPTS = [
     "Write a Python function that reverses a string.",

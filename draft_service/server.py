@@ -34,9 +34,9 @@ from grpc_health.v1._async import HealthServicer
 
 from specdec import wire
 from specdec.errors import InvalidRequest, KVPoolExhausted, SpecdecError
-from specdec.spec.accept import Mode
-from specdec.spec.propose import Drafter, DraftItem
-from specdec.spec.validation import validate_sampling
+from specdec.speculative.accept import Mode
+from specdec.speculative.propose import Drafter, DraftItem
+from specdec.speculative.validation import validate_sampling
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -77,7 +77,7 @@ def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int |
     if item.params.greedy:
         mode = Mode.GREEDY                 # greedy requests accept greedily whatever the mode says
     elif m.mode == pb.ACCEPTANCE_MODE_UNSPECIFIED:
-        mode = Mode.REJECTION              # the default acceptance for sampled requests
+        mode = Mode.COUPLED                # the default acceptance for sampled requests (as on the target)
     else:
         mode = item.mode
     if mode is not Mode.GREEDY and item.params.seed is None:
@@ -283,7 +283,8 @@ def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
     if args.drafter == "layer-skip":      # shares the target's weights, so the target is loaded here
         from specdec.engine.registry import load
         target = load(args.target_model, args.dtype).model
-    return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers)
+    return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
+                        batch_invariant=args.batch_invariant)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -323,6 +324,12 @@ def _env(name: str, default):
     return os.environ.get(name, default)
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """0/false/no/off is False, any other value True, unset or empty the default."""
+    v = os.environ.get(name, "").strip().lower()
+    return default if not v else v not in ("0", "false", "no", "off")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec gRPC draft server")
     p.add_argument("--host", default=_env("SPECDEC_DRAFT_HOST", "127.0.0.1"),
@@ -338,6 +345,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*) [SPECDEC_DTYPE]")
     p.add_argument("--kv-tokens", type=int, default=int(_env("SPECDEC_KV_TOKENS", 16384)),
                    help="draft KV pool in tokens; idle sessions are evicted (LRU) when full [SPECDEC_KV_TOKENS]")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=_env_flag("SPECDEC_BATCH_INVARIANT", True),
+                   help="model drafters: a session's drafts do not depend on the other sessions in the forward "
+                        "(default on; off: a little faster) [SPECDEC_BATCH_INVARIANT]")
     p.add_argument("--max-message-mb", type=int, default=int(_env("SPECDEC_MAX_MESSAGE_MB", 64)),
                    help="gRPC send/receive message limit [SPECDEC_MAX_MESSAGE_MB]")
     p.add_argument("--threads", type=int, default=int(_env("SPECDEC_THREADS", 0)),

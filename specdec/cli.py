@@ -16,6 +16,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset ({', '.join(PRESETS)}), .gguf file or HF dir")
     p.add_argument("--dtype", default=None, help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*)")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool size in tokens")
+    add_batch_invariant_arg(p)
+
+
+def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
+    v = os.environ.get("SPECDEC_BATCH_INVARIANT", "").strip().lower()
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=not v or v not in ("0", "false", "no", "off"),
+                   help="engines (target and model drafter) compute each row independently of the rest of the "
+                        "forward: exact replay whatever the batch (default on; off: a little faster) "
+                        "[SPECDEC_BATCH_INVARIANT]")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,8 +44,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                                                  "unset = target-only decoding")
     p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
-    p.add_argument("--acceptance", default="rejection", choices=["rejection", "coupled"],
-                   help="for non-greedy requests (greedy requests always accept greedily)")
+    p.add_argument("--acceptance", default="coupled", choices=["rejection", "coupled"],
+                   help="for non-greedy requests (greedy requests always accept greedily): coupled gives exactly "
+                        "plain seeded decoding's text; rejection accepts a few %% more drafts but its text depends "
+                        "on the proposals")
     p.add_argument("--verify", default="compact", choices=["compact", "padded"], help="verify layout")
     p.add_argument("--trace", default=None, help="write a JSONL trace (one record per request per verify step)")
 
@@ -46,17 +58,17 @@ def cmd_generate(args) -> int:
     from .engine.engine import Engine
     from .engine.registry import load
     from .engine.tokenizer import StreamDecoder
-    from .spec.generator import GenRequest, SpeculativeGenerator
-    from .spec.sampling import SamplingParams
+    from .speculative.generator import GenRequest, SpeculativeGenerator
+    from .speculative.sampling import SamplingParams
 
     torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", torch.get_num_threads())))
     lm = load(args.model, args.dtype)
-    engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+    engine = Engine(lm.model, kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant)
     drafter = None
     if args.draft:
         from .draft import make_drafter
         drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens,
-                               skip=args.draft_layers)
+                               skip=args.draft_layers, batch_invariant=args.batch_invariant)
     tok = lm.tokenizer
     prompt = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

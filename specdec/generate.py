@@ -7,8 +7,8 @@ from typing import Callable
 
 from .engine.engine import Engine
 from .engine.layout import SeqInput
-from .spec.sampling import SamplingParams, next_token
-from .spec.validation import assign_seed, validate_prompt, validate_sampling
+from .speculative.sampling import SamplingParams, next_token
+from .speculative.validation import assign_seed, validate_prompt, validate_sampling
 
 
 @dataclasses.dataclass

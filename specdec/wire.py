@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .spec.accept import Mode
-from .spec.propose import DraftItem, Proposal, SparseRows
-from .spec.sampling import SamplingParams
+from .speculative.accept import Mode
+from .speculative.propose import DraftItem, Proposal, SparseRows
+from .speculative.sampling import SamplingParams
 from .v1 import specdec_pb2 as pb
 
 MODE_TO_PB = {Mode.GREEDY: pb.GREEDY, Mode.REJECTION: pb.REJECTION, Mode.COUPLED: pb.COUPLED}

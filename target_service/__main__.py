@@ -21,6 +21,12 @@ def env(name: str, default=None):
     return os.environ.get(f"SPECDEC_{name}", default)
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean SPECDEC_* variable: 0/false/no/off is False, any other value True, unset or empty the default."""
+    v = env(name, "").strip().lower()
+    return default if not v else v not in ("0", "false", "no", "off")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="target_service", description=__doc__)
     ap.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address for REST and gRPC")
@@ -38,8 +44,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-tls-ca", default=env("DRAFT_TLS_CA") or None,
                     help="PEM CA certificate: talk TLS to the draft server, trusting this CA")
     ap.add_argument("--gamma", type=int, default=int(env("GAMMA", 4)))
-    ap.add_argument("--acceptance", default=env("ACCEPTANCE", "rejection"), choices=["rejection", "coupled"])
+    ap.add_argument("--acceptance", default=env("ACCEPTANCE", "coupled"), choices=["rejection", "coupled"],
+                    help="default acceptance for sampled requests: coupled (output = plain seeded decoding, whatever "
+                         "the drafter) or rejection (a few %% more accepted drafts; its seeded text depends on the "
+                         "proposals, gamma and draft outages)")
     ap.add_argument("--verify", default=env("VERIFY", "compact"), choices=["compact", "padded"])
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                    default=env_flag("BATCH_INVARIANT", True),
+                    help="a row's logits do not depend on the rest of the forward, so seeded output is exactly "
+                         "reproducible whatever the batch (default on; off: a little faster) [SPECDEC_BATCH_INVARIANT]")
     ap.add_argument("--max-running", type=int, default=int(env("MAX_RUNNING", 16)))
     ap.add_argument("--max-queue", type=int, default=int(env("MAX_QUEUE", 64)))
     ap.add_argument("--redis-url", default=env("REDIS_URL", ""), help="empty: the embedded in-memory store")
@@ -65,7 +78,7 @@ async def serve(args) -> None:
 
     from specdec.engine.engine import Engine
     from specdec.engine.registry import load
-    from specdec.spec.generator import TraceWriter
+    from specdec.speculative.generator import TraceWriter
     from specdec.state import open_store
 
     from .draft_client import RemoteDrafter
@@ -78,7 +91,7 @@ async def serve(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load(args.model, args.dtype)
-    engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+    engine = Engine(lm.model, kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant)
     drafter, draft_name = None, args.draft_name or args.draft or "none"
     if args.draft == "ngram":
         from specdec.draft.ngram import NgramDrafter

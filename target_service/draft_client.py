@@ -24,8 +24,8 @@ import torch
 
 from specdec import wire
 from specdec.errors import SpecdecError
-from specdec.spec.accept import Mode
-from specdec.spec.propose import Drafter, DraftItem, Proposal
+from specdec.speculative.accept import Mode
+from specdec.speculative.propose import Drafter, DraftItem, Proposal
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec import wire
 from specdec.errors import InvalidRequest, SpecdecError
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.sampling import SamplingParams
 from specdec.state import StoreUnavailable
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
@@ -155,8 +155,9 @@ class TargetServicer(pbg.TargetServicer):
         try:
             while True:
                 ev = await job.events.get()
-                if ev.error:
-                    await context.abort(grpc.StatusCode.INTERNAL, ev.error)
+                if ev.error:     # retryable: committed tokens are kept, resume=true continues the request
+                    await context.abort(grpc.StatusCode.UNAVAILABLE if ev.retryable else grpc.StatusCode.INTERNAL,
+                                        ev.error)
                 msg = pb.GenerateResponse(request_id=job.rid, tokens=ev.tokens, text=ev.text,
                                           finish_reason=ev.finish_reason or "",
                                           prompt_tokens=len(job.req.prompt), completion_tokens=len(job.req.output))

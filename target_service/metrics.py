@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specdec.spec.step import StepInfo
+from specdec.speculative.step import StepInfo
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 20)
 
@@ -28,6 +28,11 @@ class Metrics:
                              for k in ("draft", "verify", "total")}
         self.fallback_steps = counter("specdec:spec_decode_fallback_steps",
                                       "Request-steps run as plain decoding because the drafter failed.")
+        self.step_retries = counter("specdec:step_retries",
+                                    "Scheduler steps that raised and were rerun as plain decoding (same output).")
+        self.step_failed_requests = counter("specdec:step_failed_requests",
+                                            "Requests ended with a retryable error because no step could run them "
+                                            "(committed tokens kept for resume).")
         self.generation_tokens = counter("specdec:generation_tokens", "Generated tokens.")
         self.prompt_tokens = counter("specdec:prompt_tokens", "Prompt tokens admitted.")
         self.requests = counter("specdec:request_success", "Finished requests.", ["finished_reason"])

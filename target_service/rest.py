@@ -31,8 +31,8 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import InvalidRequest, SpecdecError
-from specdec.spec.sampling import SamplingParams
-from specdec.spec.validation import EMBEDDED, MIN_TEMPERATURE, validate_request
+from specdec.speculative.sampling import SamplingParams
+from specdec.speculative.validation import EMBEDDED, MIN_TEMPERATURE, validate_request
 from specdec.state import StoreUnavailable
 
 from .grpc_server import clip
@@ -72,7 +72,7 @@ RequestId = Annotated[str, StringConstraints(min_length=1, max_length=128), Afte
 
 
 def _doc(description: str, **bounds) -> dict:
-    """Schema-only bounds: enforced by specdec.spec.validation (one capability table for REST and gRPC, with the
+    """Schema-only bounds: enforced by specdec.speculative.validation (one capability table for REST and gRPC, with the
     remedy in the message); written into the OpenAPI schema so clients and fuzzers know them."""
     return {"description": description, "json_schema_extra": bounds}
 
@@ -90,7 +90,9 @@ class Speculative(_Strict):
     enabled: bool = True
     gamma: Int | None = Field(None, **_doc("draft block length; unset: the server's default", minimum=1,
                                            maximum=EMBEDDED.max_gamma))
-    acceptance: Literal["rejection", "coupled"] | None = None
+    acceptance: Literal["rejection", "coupled"] | None = Field(
+        None, description="for sampled requests; unset: the server's default (coupled: the output is plain seeded "
+                          "decoding's; rejection: a few % more accepted drafts, output depends on the proposals)")
 
 
 class StreamOptions(_Strict):
@@ -157,7 +159,8 @@ class ErrorResponse(BaseModel):
 _ERRORS = {400: "invalid request (the message names the field and the remedy)", 401: "missing or invalid API key",
            403: "the request belongs to another API key", 404: "no such request or route",
            413: "request body too large", 429: "server busy; retry after Retry-After seconds",
-           500: "internal error", 503: "request state store unavailable"}
+           500: "internal error",
+           503: "request state store unavailable, or generation failed with the committed tokens kept (resume by id)"}
 _RESPONSES: dict[int | str, dict[str, Any]] = {k: {"model": ErrorResponse, "description": v}
                                                for k, v in _ERRORS.items()}
 
@@ -407,18 +410,21 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(request, job, model, chat, include_usage), media_type="text/event-stream")
-        text, finish, err = "", None, None
+        text, finish, err, retryable = "", None, None, False
         try:
             while finish is None:
                 ev = await job.events.get()
                 if ev.error:
-                    err = ev.error
+                    err, retryable = ev.error, ev.retryable
                     break
                 text += ev.text
                 finish = ev.finish_reason
         except asyncio.CancelledError:
             svc.scheduler.cancel(job)
             raise
+        if err and retryable:                # committed tokens are kept: the client resumes by id
+            return error(503, err, "request_id", kind="service_unavailable", code="resume_request",
+                         headers={"Retry-After": "1"})
         if err:
             return error(500, err, kind="server_error")
         return JSONResponse(_completion(job, model, chat, text, finish))
@@ -465,7 +471,9 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
             while True:
                 ev = await job.events.get()
                 if ev.error:
-                    err = {"error": {"message": ev.error, "type": "server_error", "param": None, "code": None}}
+                    err = {"error": {"message": ev.error, "param": "request_id" if ev.retryable else None,
+                                     **({"type": "service_unavailable", "code": "resume_request"} if ev.retryable
+                                        else {"type": "server_error", "code": None})}}
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 if ev.text or ev.finish_reason or first:

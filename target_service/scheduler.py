@@ -13,10 +13,18 @@ once and streamed once, and a client sees only committed tokens.
 
 Every request has a deadline (its `timeout_s`, else the server's `request_timeout_s`): past it the request leaves the
 queue or the batch at the next step boundary with finish_reason "timeout", its KV and draft session freed.
+
+Fault isolation: a step that raises is undone (outputs, stats, KV back to the step's start) and rerun for the same
+batch as plain decoding (no drafts): for greedy and coupled requests exactly the tokens the step would have emitted
+(plain decoding defines their output); rejection-mode text depends on the step structure anyway, as after a draft
+outage. `specdec:step_retries_total` counts it. If that raises too, each request is stepped alone, and only those that still cannot proceed end, with a
+retryable error (REST 503, gRPC UNAVAILABLE): their committed tokens stay in the store (status "running"), so a
+resume by id continues them exactly. Their neighbours go on as if nothing happened.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import logging
 import time
@@ -24,8 +32,8 @@ import uuid
 
 from specdec.engine.engine import Engine
 from specdec.engine.tokenizer import StreamDecoder
-from specdec.spec.propose import Drafter
-from specdec.spec.step import SpecRequest, StepInfo, plan_full, speculative_step
+from specdec.speculative.propose import Drafter
+from specdec.speculative.step import SpecRequest, StepInfo, plan_full, speculative_step
 from specdec.state import Commit, RequestRecord, StateStore, StoreUnavailable
 
 log = logging.getLogger("specdec.scheduler")
@@ -41,6 +49,7 @@ class Event:
     text: str
     finish_reason: str | None = None
     error: str | None = None
+    retryable: bool = False          # with error: the request can be resumed by id (REST 503, gRPC UNAVAILABLE)
 
 
 @dataclasses.dataclass
@@ -93,6 +102,31 @@ class _Pending:
         for lst in (self.jobs, self.commits, self.pre_len, self.info.verify_len, self.info.accepted,
                     self.info.emitted):
             del lst[k]
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """What a step changes in a request, taken before it, so a failed step can be undone."""
+    output_len: int
+    draft_seen: int
+    finish_reason: str | None
+    stats: object
+
+    @classmethod
+    def take(cls, r: SpecRequest) -> "_Snapshot":
+        return cls(len(r.output), r.draft_seen, r.finish_reason, copy.deepcopy(r.stats))
+
+    def restore(self, r: SpecRequest) -> None:
+        del r.output[self.output_len:]
+        r.draft_seen, r.finish_reason, r.stats = self.draft_seen, self.finish_reason, copy.deepcopy(self.stats)
+
+
+def _merge(infos: list[StepInfo]) -> StepInfo:
+    """The requests' one-request steps as one step (in order)."""
+    return StepInfo(sum(i.rows for i in infos), [v for i in infos for v in i.verify_len],
+                    [a for i in infos for a in i.accepted], [e for i in infos for e in i.emitted],
+                    all(i.draft_ok for i in infos), sum(i.draft_ms for i in infos), sum(i.verify_ms for i in infos),
+                    sum(i.accept_ms for i in infos))
 
 
 class Scheduler:
@@ -214,9 +248,16 @@ class Scheduler:
         batch = list(self.running)
         before = [len(j.req.output) for j in batch]
         async with self.engine_lock:
-            info: StepInfo = await asyncio.to_thread(speculative_step, self.engine, self.drafter,
-                                                     [j.req for j in batch], layout=self.cfg.layout, plan=plan_full)
+            info, failed, retried = await asyncio.to_thread(self._isolated_step, [j.req for j in batch])
         self.steps += 1
+        if retried and self.metrics:
+            self.metrics.step_retries.labels(**self.metrics.labels).inc()
+        if failed:
+            await self._fail([batch[k] for k in failed])
+            batch = [j for k, j in enumerate(batch) if k not in failed]
+            before = [n for k, n in enumerate(before) if k not in failed]
+            if not batch:
+                return
         if self.cfg.step_delay_s:
             await asyncio.sleep(self.cfg.step_delay_s)
         for j in batch:  # a stop string ends the request: decide it before the commit, so the record says so
@@ -228,6 +269,66 @@ class Scheduler:
                    for j, n0, toks in zip(batch, before, info.emitted)]
         await self._commit(_Pending(batch, commits, info, time.perf_counter() - t_start,
                                     [len(j.req.prompt) + n0 for j, n0 in zip(batch, before)]))
+
+    # -- fault isolation --------------------------------------------------------------------------------------------
+    def _isolated_step(self, reqs: list[SpecRequest]) -> tuple[StepInfo, list[int], bool]:
+        """One step for `reqs` (worker thread, engine lock held) that a fault in one request cannot turn into a
+        failure of all: returns (the step's info for the requests that stepped, indices of those that could not,
+        whether the step had to be rerun)."""
+        snaps = [_Snapshot.take(r) for r in reqs]
+        try:
+            return speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=plan_full), [], False
+        except Exception:  # noqa: BLE001 - whatever broke (a drafter's answer, a bug), plain decoding is the fallback
+            log.exception("speculative step failed (%d requests); rerunning it as plain decoding", len(reqs))
+        self._undo(reqs, snaps)
+        try:
+            return self._plain_step(reqs), [], True
+        except Exception:  # noqa: BLE001
+            log.exception("plain-decoding rerun failed too; stepping each of the %d requests alone", len(reqs))
+        self._undo(reqs, snaps)
+        infos, failed = [], []
+        for k, (r, snap) in enumerate(zip(reqs, snaps)):
+            try:
+                infos.append(self._plain_step([r]))
+            except Exception:  # noqa: BLE001
+                log.exception("request %s cannot proceed; ending it with a retryable error", r.rid)
+                self._undo([r], [snap])
+                failed.append(k)
+        return _merge(infos), failed, True
+
+    def _plain_step(self, reqs: list[SpecRequest]) -> StepInfo:
+        """A step without drafts: exactly plain decoding (greedy / coupled output unchanged by the rerun)."""
+        info = speculative_step(self.engine, None, reqs, layout=self.cfg.layout, plan=plan_full)
+        info.draft_ok = False                  # counted as a fallback step, like a drafter outage
+        for r in reqs:
+            r.stats.fallback_steps += 1
+        return info
+
+    def _undo(self, reqs: list[SpecRequest], snaps: list["_Snapshot"]) -> None:
+        """Back to the step's start: outputs, stats, draft bookkeeping, and KV = every committed token but the
+        anchor (a step only writes from the anchor on, so truncating is enough)."""
+        for r, snap in zip(reqs, snaps):
+            snap.restore(r)
+            try:
+                if r.seq >= 0 and r.seq in self.engine.kv:
+                    self.engine.truncate(r.seq, min(self.engine.length(r.seq), r.committed_len - 1))
+            except Exception:  # noqa: BLE001 - its next step will show whether it can proceed
+                log.exception("could not roll back the KV of %s", r.rid)
+
+    async def _fail(self, jobs: list[Job]) -> None:
+        """End requests no step could run, with a retryable error. Their record is left as it is (status "running",
+        the committed tokens), so a resume by id continues them with identical output."""
+        self.running = [j for j in self.running if j not in jobs]
+        for j in jobs:
+            j.req.finish_reason = "error"
+            j.events.put_nowait(Event([], "", error=f"generation of request {j.rid} failed on this server; its "
+                                      f"committed tokens are kept: retry with resume=true and request_id={j.rid}",
+                                      retryable=True))
+            if self.metrics:
+                self.metrics.requests.labels(finished_reason="error", **self.metrics.labels).inc()
+                self.metrics.step_failed_requests.labels(**self.metrics.labels).inc()
+        await self._release(jobs)
+        self._gauges()
 
     async def _commit(self, p: _Pending) -> None:
         """Commit a step, then stream it. Store down: keep the step pending (retried next iteration, after a

@@ -12,11 +12,11 @@ import torch
 
 from specdec.engine.engine import Engine
 from specdec.errors import InvalidRequest
-from specdec.spec.accept import Mode, accept
-from specdec.spec.sampling import SamplingParams, probs
-from specdec.spec.step import SpecRequest
-from specdec.spec.validation import EMBEDDED, assign_seed, validate_request
-from specdec.spec.verify import VerifyItem, verify
+from specdec.speculative.accept import Mode, accept
+from specdec.speculative.sampling import SamplingParams, probs
+from specdec.speculative.step import SpecRequest
+from specdec.speculative.validation import EMBEDDED, assign_seed, validate_request
+from specdec.speculative.verify import VerifyItem, verify
 from specdec.state import RequestExists, RequestRecord, StateStore, StoreUnavailable
 
 from .scheduler import Event, Job, QueueFull, Scheduler
@@ -62,9 +62,11 @@ def key_hash(api_key: str | None) -> str:
 
 class TargetService:
     def __init__(self, engine: Engine, scheduler: Scheduler, store: StateStore, tokenizer, *, model_name: str,
-                 draft_name: str, gamma: int = 4, mode: str = "rejection", caps=EMBEDDED, metrics=None):
+                 draft_name: str, gamma: int = 4, mode: str | None = None, caps=EMBEDDED, metrics=None):
         self.engine, self.scheduler, self.store, self.tok = engine, scheduler, store, tokenizer
-        self.model_name, self.draft_name, self.gamma, self.mode, self.caps = model_name, draft_name, gamma, mode, caps
+        # mode: acceptance for sampled requests that name none (None: the capability table's default, coupled)
+        self.model_name, self.draft_name, self.gamma, self.caps = model_name, draft_name, gamma, caps
+        self.mode = mode or caps.default_acceptance
         self.metrics = metrics
 
     @property

@@ -82,9 +82,9 @@ class Draft(Proc):
     def addr(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def up(self) -> "Draft":
+    def up(self, timeout: float = 90) -> "Draft":
         self.start()
-        wait_grpc(self.addr, self)
+        wait_grpc(self.addr, self, timeout)
         return self
 
 
@@ -108,8 +108,8 @@ class Target(Proc):
     def grpc_addr(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def up(self) -> "Target":
+    def up(self, timeout: float = 90) -> "Target":
         self.start()
-        wait_http(self.url + "/health", self)
-        wait_grpc(self.grpc_addr, self)
+        wait_http(self.url + "/health", self, timeout)
+        wait_grpc(self.grpc_addr, self, timeout)
         return self

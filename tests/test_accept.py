@@ -7,10 +7,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec.spec import accept as acc
-from specdec.spec import accept_ref, coins, sampling
-from specdec.spec.accept import AcceptOutput, Mode, accept, densify, draft_sample, inverse_cdf, residual_weights
-from specdec.spec.accept_ref import accept_reference
+from specdec.speculative import accept as acc
+from specdec.speculative import accept_ref, coins, sampling
+from specdec.speculative.accept import AcceptOutput, Mode, accept, densify, draft_sample, inverse_cdf, residual_weights
+from specdec.speculative.accept_ref import accept_reference
 
 MODES = ["greedy", "rejection", "coupled"]
 
@@ -126,7 +126,8 @@ def test_coupled_tie_guard_does_not_change_results(monkeypatch, gap):
 
 def test_coupled_hashes_only_the_rows_it_reaches(monkeypatch):
     """The Gumbel hash is the one costly step (a hash per vocabulary id), so coupled rows past a request's first
-    mismatch are never evaluated: total work = sum(a_i + 1), as in plain decoding."""
+    mismatch are never evaluated: total work = sum(a_i + 1), as in plain decoding. Rejection requests hash only their
+    bonus row, and only when they reach it (one extra batched call)."""
     seen = []
     real = acc._gumbel_argmax
     monkeypatch.setattr(acc, "_gumbel_argmax", lambda p, r, s, x: seen.append(r.numel()) or real(p, r, s, x))
@@ -135,9 +136,11 @@ def test_coupled_hashes_only_the_rows_it_reaches(monkeypatch):
         seen.clear()
         b = make_batch(rng, 6, 8, 30, ["coupled", "greedy", "rejection"] * 2)
         out = accept(**b)
+        cu = b["cu_rows"].tolist()
         coupled = [i for i, m in enumerate(b["modes"]) if m == "coupled"]
-        assert sum(seen) == sum(len(out.tokens[i]) for i in coupled)
-        assert len(seen) <= 9
+        bonus = [i for i, m in enumerate(b["modes"]) if m == "rejection" and len(out.tokens[i]) == cu[i + 1] - cu[i]]
+        assert sum(seen) == sum(len(out.tokens[i]) for i in coupled) + len(bonus)
+        assert len(seen) <= 10
 
 
 def test_coins_many_matches_scalar_coins():
@@ -261,6 +264,48 @@ def test_plain_decoding_batch_and_empty_batch():
     empty = accept(torch.zeros(0, 2, dtype=torch.float64), None, torch.zeros(0, dtype=torch.long),
                    torch.tensor([0]), [], [], [])
     assert empty.tokens == [] and empty.num_accepted.shape == (0,)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_without_drafts_is_plain_decoding(mode):
+    """verify_len 1 (speculation off, drafter down, empty proposal): every mode emits exactly what plain decoding
+    (sampling.next_token, as specdec.generate uses it) emits at that position."""
+    torch.manual_seed(3)
+    cases = [sampling.SamplingParams()] if mode == "greedy" else [
+        sampling.SamplingParams(temperature=0.8, top_p=0.95, seed=11),
+        sampling.SamplingParams(temperature=1.3, top_k=7, min_p=0.05, seed=2**62 + 5)]
+    for params in cases:
+        logits = torch.randn(16, 50, dtype=torch.float64) * 3
+        positions = list(range(100, 116))
+        b = dict(p=sampling.probs(logits, params), q=None, draft_tokens=torch.zeros(0, dtype=torch.long),
+                 cu_rows=torch.arange(17), modes=[mode] * 16,
+                 seeds=[params.seed] * 16, positions=positions)
+        out = accept(**b)
+        assert out == accept_reference(**b)
+        assert out.tokens == [[sampling.next_token(lg, params, x)] for lg, x in zip(logits, positions)]
+
+
+def test_bonus_row_is_plain_seeded_decoding_in_every_mode():
+    """Whenever every verified draft is accepted, the bonus token is plain decoding's token at the bonus position
+    (argmax for greedy, sample_seeded otherwise), whatever the mode."""
+    rng = np.random.default_rng(17)
+    reached = {m: 0 for m in MODES}
+    for _ in range(40):
+        modes = [str(m) for m in rng.choice(MODES, 6)]
+        b = make_batch(rng, 6, 4, int(rng.integers(2, 30)), modes)
+        out = accept(**b)
+        assert out == accept_reference(**b)
+        cu = b["cu_rows"].tolist()
+        for i, toks in enumerate(out.tokens):
+            n = cu[i + 1] - cu[i]
+            if len(toks) < n:
+                continue                       # stopped by a draft: not the bonus row
+            reached[modes[i]] += 1
+            row = b["p"][cu[i + 1] - 1]
+            want = int(row.argmax()) if modes[i] == "greedy" else \
+                sampling.sample_seeded(row, b["seeds"][i], b["positions"][i] + n - 1)
+            assert toks[-1] == want
+    assert min(reached.values()) > 10
 
 
 @pytest.mark.parametrize("bad", ["cu_not_zero", "empty_request", "q_missing", "lengths", "token_range", "seed"])

@@ -2,8 +2,8 @@
 
 False-alarm rate. Each check is a chi-square test at ALPHA = 1e-4. The seeds are fixed (0..N-1), so every run is
 deterministic: the alpha bounds the chance that a correct implementation would have failed for a seed set drawn at
-random, i.e. the chance that this particular fixed set is an unlucky one. With the 7 checks below that chance is
-below 7e-4 for the whole file. The planted-bug tests show the same checks do reject a wrong residual.
+random, i.e. the chance that this particular fixed set is an unlucky one. With the 8 checks below that chance is
+below 8e-4 for the whole file. The planted-bug tests show the same checks do reject a wrong residual.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import scipy.stats
 import torch
 
-from specdec.spec import accept as acc
-from specdec.spec.accept import accept, draft_sample, sample_residual
+from specdec.speculative import accept as acc
+from specdec.speculative.accept import accept, draft_sample, sample_residual
 
 ALPHA = 1e-4
 N = 20_000
@@ -95,8 +95,9 @@ def test_first_token_follows_p():
 def test_second_token_follows_second_row():
     """verify_len = 3 (two slots). Requests that accept slot 1 get their second token from slot 2 (draft or
     residual) or nothing else; those that reject slot 1 decide the next position in the next step, here plain
-    decoding (verify_len = 1) of the same fixed row. Both the marginal and the accepted-slot-1 subset must follow P1:
-    slot 2's coins (position POS+1) are independent of slot 1's."""
+    decoding (verify_len = 1: Gumbel-max over the GUMBEL coins of POS+1) of the same fixed row. Both the marginal
+    and the accepted-slot-1 subset must follow P1: slot 2's coins (position POS+1) are independent of slot 1's, and
+    so are the GUMBEL coins of POS+1 (another stream)."""
     out = step(_t(P0, P1, P2), _t(Q0, Q1), [drafts(0, POS), drafts(1, POS + 1)], list(range(N)), POS)
     assert chi2_pvalue([t[0] for t in out.tokens], P0) > ALPHA
     went_on = [t[1] for t in out.tokens if len(t) > 1]
@@ -105,6 +106,16 @@ def test_second_token_follows_second_row():
     assert chi2_pvalue(went_on, P1) > ALPHA
     nxt = step(_t(P1), None, [], stopped, POS + 1)
     assert chi2_pvalue(went_on + [t[0] for t in nxt.tokens], P1) > ALPHA
+
+
+def test_bonus_token_follows_bonus_row():
+    """verify_len = 2 in rejection mode: requests that accept slot 1 emit the bonus row's token, drawn like plain
+    seeded decoding (Gumbel-max, GUMBEL coins of POS+1). Selecting on acceptance does not bias it: acceptance was
+    decided by the DRAFT and ACCEPT coins of POS, independent of the bonus coins, so the subset must follow P1."""
+    out = step(_t(P0, P1), _t(Q0), [drafts(0, POS)], list(range(N)), POS)
+    bonus = [t[1] for t in out.tokens if len(t) == 2]
+    assert 0.3 * N < len(bonus) < 0.7 * N
+    assert chi2_pvalue(bonus, P1) > ALPHA
 
 
 def test_coupled_first_token_follows_p():

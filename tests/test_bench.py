@@ -73,3 +73,17 @@ def test_trace_summarize(tmp_path):
     recs = [json.loads(x) for x in trace.read_text().splitlines()]
     assert float(got["alpha"]) == pytest.approx(sum(x["accepted"] for x in recs) /
                                                 sum(x["verify_len"] - 1 for x in recs), abs=1e-3)
+
+
+def test_no_batch_invariant_flag(tmp_path):
+    """`--no-batch-invariant` reaches `specdec generate` and `specdec bench` (target and model drafter engines)."""
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--model", "tiny-llama", "--draft",
+                        "tiny-llama-draft", "--no-batch-invariant", "--prompt", "hi", "--max-tokens", "6"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--target", "tiny-llama", "--draft",
+                        "tiny-llama-draft", "--no-batch-invariant", "-n", "1", "--max-tokens", "6", "--gamma", "2",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["args"]["batch_invariant"] is False

@@ -122,6 +122,23 @@ def test_compose_commands_and_dockerfile_cmd_parse(clean_env):
     PARSERS[argv[2]](argv[3:])
 
 
+def test_batch_invariant_and_acceptance_defaults(clean_env):
+    """Batch invariance is on unless --no-batch-invariant or SPECDEC_BATCH_INVARIANT=0; acceptance defaults to coupled
+    (rejection is opt-in), on both servers."""
+    for parse in (target_args, draft_args):
+        assert parse()["batch_invariant"] is True
+        assert parse(["--no-batch-invariant"])["batch_invariant"] is False
+        for v, want in (("0", False), ("false", False), ("1", True), ("", True)):
+            clean_env.setenv("SPECDEC_BATCH_INVARIANT", v)
+            assert parse()["batch_invariant"] is want, (parse, v)
+        clean_env.setenv("SPECDEC_BATCH_INVARIANT", "0")
+        assert parse(["--batch-invariant"])["batch_invariant"] is True      # the flag beats the env
+        clean_env.delenv("SPECDEC_BATCH_INVARIANT")
+    assert target_args()["acceptance"] == "coupled"
+    clean_env.setenv("SPECDEC_ACCEPTANCE", "rejection")
+    assert target_args()["acceptance"] == "rejection"
+
+
 # --- Dockerfile ------------------------------------------------------------------------------------------------
 
 def _dockerignored(path: str) -> bool:

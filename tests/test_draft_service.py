@@ -15,9 +15,9 @@ from specdec import wire
 from specdec.draft.model import ModelDrafter
 from specdec.draft.ngram import NgramDrafter
 from specdec.engine.registry import load
-from specdec.spec.accept import Mode
-from specdec.spec.propose import DraftItem
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.accept import Mode
+from specdec.speculative.propose import DraftItem
+from specdec.speculative.sampling import SamplingParams
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -287,3 +287,14 @@ def test_busy_port_is_refused(model_server):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cannot listen" in out.stderr
     assert model_server.status("") == SERVING
+
+
+def test_unspecified_mode_means_coupled_for_sampled_items():
+    """ACCEPTANCE_MODE_UNSPECIFIED is the default acceptance: coupled for sampled items (as on the target), greedy for
+    temperature 0."""
+    from draft_service.server import check_item
+    sampled = pb.ProposeItem(request_id="x", new_tokens=[1, 2], committed_len=2, gamma=2,
+                             sampling=pb.SamplingParams(temperature=0.8, seed=3))
+    assert check_item(0, sampled, None, None).mode is Mode.COUPLED
+    greedy = pb.ProposeItem(request_id="y", new_tokens=[1, 2], committed_len=2, gamma=2, mode=pb.REJECTION)
+    assert check_item(0, greedy, None, None).mode is Mode.GREEDY

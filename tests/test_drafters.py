@@ -8,9 +8,9 @@ from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.registry import load
 from specdec.errors import InvalidRequest
-from specdec.spec.accept import Mode
-from specdec.spec.propose import DraftItem, SessionLost, SparseRows
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.accept import Mode
+from specdec.speculative.propose import DraftItem, SessionLost, SparseRows
+from specdec.speculative.sampling import SamplingParams
 
 
 def test_ngram_lookup_latest_longest_match():

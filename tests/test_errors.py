@@ -10,7 +10,7 @@ from specdec.engine.layout import SeqInput
 from specdec.engine.registry import PRESETS, load
 from specdec.errors import InvalidRequest, KVPoolExhausted, ModelError
 from specdec.generate import Request, generate
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.sampling import SamplingParams
 
 
 def test_unknown_preset_lists_known():

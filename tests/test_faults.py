@@ -25,7 +25,7 @@ import pytest
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.generate import Request, generate
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.sampling import SamplingParams
 from specdec.state import MemoryStore, StoreUnavailable, open_store
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg

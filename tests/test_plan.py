@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from specdec.draft.model import ModelDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
-from specdec.spec.generator import GenRequest, SpeculativeGenerator
-from specdec.spec.plan import (Calibration, CostPlanner, CostTable, best_gamma, best_plan, brute_force_plan,
+from specdec.speculative.generator import GenRequest, SpeculativeGenerator
+from specdec.speculative.plan import (Calibration, CostPlanner, CostTable, best_gamma, best_plan, brute_force_plan,
                                expected_rate, leviathan_gain)
 
 COSTS = [CostTable([1, 2, 4, 8, 16, 32], [10, 10.4, 11, 12.5, 16, 25]),   # verify nearly free up to ~8 rows

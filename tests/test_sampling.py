@@ -6,8 +6,8 @@ from scipy import stats
 
 from specdec.engine.engine import Engine
 from specdec.generate import Request, generate
-from specdec.spec.coins import Stream, coin, coins
-from specdec.spec.sampling import SamplingParams, probs
+from specdec.speculative.coins import Stream, coin, coins
+from specdec.speculative.sampling import SamplingParams, probs
 
 from .conftest import random_prompt
 
@@ -78,7 +78,7 @@ def test_unseeded_request_gets_a_replayable_seed(tiny_llama):
 def test_seeded_gumbel_follows_p():
     """Gumbel-max over coins draws from p: chi-square at alpha = 1e-4 over 20k positions."""
     p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0], dtype=torch.float64)
-    from specdec.spec.sampling import sample_seeded
+    from specdec.speculative.sampling import sample_seeded
     draws = np.bincount([sample_seeded(p, 99, t) for t in range(20_000)], minlength=5)
     assert draws[4] == 0
     assert stats.chisquare(draws[:4], 20_000 * p[:4].numpy()).pvalue > 1e-4

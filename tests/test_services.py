@@ -13,7 +13,7 @@ from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from specdec.engine.engine import Engine
 from specdec.generate import Request, generate
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.sampling import SamplingParams
 from specdec.state import open_store
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
@@ -250,7 +250,9 @@ def test_draft_killed_mid_stream_then_restarted(tmp, lm, redis_url):
         d.kill()
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=77)], ids=["greedy", "seeded"])
+# seed 75: its seeded output (plain seeded decoding, what the default coupled acceptance gives) runs all 150 tokens,
+# so the kill lands mid-request
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=75)], ids=["greedy", "seeded"])
 def test_target_killed_then_resumed_by_id(tmp, draft, lm, redis_url, sampling):
     ns = f"test-{uuid.uuid4().hex[:8]}"
     body = dict(prompt="resume me please", max_tokens=150, **sampling)

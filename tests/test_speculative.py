@@ -10,9 +10,9 @@ from specdec.draft.model import ModelDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.generate import Request, generate
-from specdec.spec.generator import GenRequest, SpeculativeGenerator
-from specdec.spec.propose import Drafter
-from specdec.spec.sampling import SamplingParams
+from specdec.speculative.generator import GenRequest, SpeculativeGenerator
+from specdec.speculative.propose import Drafter, Proposal
+from specdec.speculative.sampling import SamplingParams
 
 from .conftest import random_prompt
 
@@ -128,6 +128,68 @@ def test_drafter_failure_falls_back_to_plain_decoding(models):
     assert all(o.stats.fallback_steps > 0 for o in outs)
 
 
+class NoDrafts(Drafter):
+    """Answers every item with an empty block, q None: an n-gram drafter without a match, as the wire delivers it."""
+
+    def propose(self, items):
+        return [Proposal(it.context[-1], [], []) for it in items]
+
+    def release(self, sid):
+        pass
+
+
+class WireLike(Drafter):
+    """An inner drafter's answers as they come off the wire: an empty block loses its (empty) q, and with
+    drop_q=True every q is lost (a drafter that sends none)."""
+
+    def __init__(self, inner, drop_q=False):
+        self.inner, self.drop_q = inner, drop_q
+
+    def propose(self, items):
+        return [p if p is None else Proposal(p.anchor, p.tokens, p.confidence,
+                                             None if self.drop_q or not p.tokens else p.q)
+                for p in self.inner.propose(items)]
+
+    def release(self, sid):
+        self.inner.release(sid)
+
+
+@pytest.mark.parametrize("mode", ["rejection", "coupled"])
+def test_steps_without_drafts_are_plain_seeded_decoding(models, mode):
+    """No drafter, a drafter that is always down, empty proposals, drafts whose q is missing (rejection drops them):
+    every one of these runs is plain seeded decoding, token for token, in every mode."""
+    target, draft = models["tiny-llama"], models["tiny-llama-draft"]
+    prompts = prompts_for(target)
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=31)
+    ref = target_only(target, prompts, params, 20)
+    runs = {"none": None, "down": Broken(ModelDrafter(draft), 1), "empty": NoDrafts()}
+    if mode == "rejection":
+        runs["q missing"] = WireLike(ModelDrafter(draft), drop_q=True)
+    for name, drafter in runs.items():
+        outs, _ = speculative(target, drafter, prompts, params, 20, gamma=3, mode=mode)
+        assert [o.tokens for o in outs] == ref, name
+        assert all(o.stats.drafted == 0 for o in outs), name
+
+
+def test_rejection_batch_with_empty_wire_proposals(models):
+    """The bug behind 500s on concurrent seeded requests: in rejection mode, a batch where some requests' n-gram
+    proposals are empty (q None off the wire) and others carry drafts. It must run, and each request's output must be
+    what it gets alone (its proposals depend on its own context only)."""
+    target = models["tiny-llama"]
+    V = target.cfg.vocab_size
+    prompts = [random_prompt(V, 5, seed=70 + k) for k in range(4)] + [random_prompt(V, 4, seed=90) * 3] * 2
+    reqs = [GenRequest(p, SamplingParams(temperature=0.8, top_p=0.95, seed=100 + k), 24, mode="rejection")
+            for k, p in enumerate(prompts)]
+    gen = SpeculativeGenerator(Engine(target), WireLike(make_drafter("ngram")), gamma=4)
+    batched = gen.generate(reqs)
+    mixed = [info for info in gen.steps if 1 in info.verify_len and max(info.verify_len) > 1]
+    assert mixed, "no step mixed empty and non-empty proposals"
+    assert sum(o.stats.drafted for o in batched) > 0
+    for r, o in zip(reqs, batched):
+        alone = SpeculativeGenerator(Engine(target), WireLike(make_drafter("ngram")), gamma=4).generate([r])[0]
+        assert alone.tokens == o.tokens
+
+
 def test_drafter_evicts_lru_sessions_and_rebuilds(models):
     target, draft = models["tiny-llama"], models["tiny-llama-draft"]
     prompts = [random_prompt(target.cfg.vocab_size, 40, seed=i) for i in range(6)]
@@ -183,7 +245,7 @@ def test_trace_and_stats(models):
         assert sum(r["emitted"] for r in mine) == len(o.tokens)
         assert sum(o.stats.accepted_per_pos) == o.stats.accepted
         assert o.stats.drafted == sum(r["verify_len"] - 1 for r in mine)
-        assert all(r["mode"] == "rejection" and r["seeded"] for r in mine)
+        assert all(r["mode"] == "coupled" and r["seeded"] for r in mine)     # the default for sampled requests
 
 
 def test_loop_with_runtime_reference_check(models, monkeypatch):
@@ -208,5 +270,5 @@ def test_cli_speculative(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "AL " in r.stderr and "AR " in r.stderr and "seed 3" in r.stderr and "tokens/s" in r.stderr
     recs = [json.loads(x) for x in trace.read_text().splitlines()]
-    assert recs and all(x["mode"] == "rejection" and x["seeded"] for x in recs)
+    assert recs and all(x["mode"] == "coupled" and x["seeded"] for x in recs)
     assert sum(x["emitted"] for x in recs) == 20

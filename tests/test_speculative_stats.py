@@ -17,9 +17,9 @@ from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.loader import tiny
 from specdec.engine.registry import TINY_LLAMA
-from specdec.spec import accept as acc
-from specdec.spec.generator import GenRequest, SpeculativeGenerator
-from specdec.spec.sampling import SamplingParams, probs
+from specdec.speculative import accept as acc
+from specdec.speculative.generator import GenRequest, SpeculativeGenerator
+from specdec.speculative.sampling import SamplingParams, probs
 
 CFG = dataclasses.replace(TINY_LLAMA, vocab_size=16, max_seq_len=64)
 PARAMS = SamplingParams(temperature=4.0)               # flattens the peaked tiny models: many cells matter

@@ -13,7 +13,8 @@ from .conftest import random_prompt
 def test_tier_gate_paths_and_logits():
     model = load("tiny-qwen2").model
     V = model.cfg.vocab_size
-    tiered, eager = Engine(model, compile_tiers=(6,)), Engine(model)
+    # compiled graphs round differently from the batch-invariant kernels, so tiers run with it off (both sides alike)
+    tiered, eager = Engine(model, compile_tiers=(6,), batch_invariant=False), Engine(model, batch_invariant=False)
     prefixes = [random_prompt(V, n, seed=n) for n in (5, 11, 3)]
     layouts = {
         "uniform 3x2 (tier 6)": ([2, 2, 2], "compiled"),

@@ -5,9 +5,9 @@ from specdec.draft.model import ModelDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.errors import InvalidRequest
-from specdec.spec.generator import GenRequest, SpeculativeGenerator
-from specdec.spec.sampling import SamplingParams
-from specdec.spec.validation import EMBEDDED, UNSEEDED, validate_request
+from specdec.speculative.generator import GenRequest, SpeculativeGenerator
+from specdec.speculative.sampling import SamplingParams
+from specdec.speculative.validation import EMBEDDED, UNSEEDED, validate_request
 
 HOT = SamplingParams(temperature=0.8)
 CASES = [
@@ -66,3 +66,13 @@ def test_refusal_allocates_nothing():
     assert eng.kv.free_tokens == free and not eng.kv._seqs and not drafter.kv
     out = gen.generate([GenRequest([1, 2, 3], max_tokens=4)])         # and the generator still works
     assert len(out[0].tokens) == 4
+
+
+def test_default_acceptance_comes_from_the_capability_table(tiny_llama):
+    """Coupled is the default for sampled requests where the backend can seed them; rejection stays opt-in. A backend
+    without seeded sampling cannot couple, so its default is rejection."""
+    assert EMBEDDED.default_acceptance == "coupled" and UNSEEDED.default_acceptance == "rejection"
+    for caps in (EMBEDDED, UNSEEDED):
+        assert caps.default_acceptance in caps.acceptance_modes
+    assert SpeculativeGenerator(Engine(tiny_llama), None).mode.value == "coupled"
+    assert SpeculativeGenerator(Engine(tiny_llama), None, mode="rejection").mode.value == "rejection"

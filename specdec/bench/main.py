@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..spec.plan import CostPlanner, profile_cost
-from ..spec.sampling import SamplingParams
+from ..speculative.plan import CostPlanner, profile_cost
+from ..speculative.sampling import SamplingParams
 from .prompts import encode, load_prompts
 from .report import RequestRecord, StepRecord, summarize
 
@@ -92,11 +92,12 @@ def cmd_bench(args) -> int:
         from .run import run_inprocess
         torch.set_num_threads(args.threads or torch.get_num_threads())
         lm = load(args.target, args.dtype)
-        engine = Engine(lm.model, kv_tokens=args.kv_tokens)
+        engine = Engine(lm.model, kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant)
         prompts = [encode(lm.tokenizer, it) for it in items]
-        drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers)
+        drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
+                               batch_invariant=args.batch_invariant)
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
-                      mode=args.acceptance or "rejection",
+                      mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
         layouts = args.verify.split(",")
         run_inprocess(engine, drafter, prompts[:1], gamma=gammas[0], layout=layouts[0],
@@ -195,13 +196,16 @@ def add_parsers(sub) -> None:
     b.add_argument("--draft-layers", default=None)
     b.add_argument("--dtype", default=None)
     b.add_argument("--kv-tokens", type=int, default=65536)
+    from ..cli import add_batch_invariant_arg
+    add_batch_invariant_arg(b)             # in process only; with --url the server's setting applies
     b.add_argument("--prompts", default="chat", help="humaneval | chat | FILE.jsonl")
     b.add_argument("-n", type=int, default=16, help="prompts (cycles through the set)")
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens (steadier timing)")
     b.add_argument("--concurrency", type=int, default=1)
     b.add_argument("--gamma", default="4", help="one or more, comma-separated")
-    b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"])
+    b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"],
+                   help="unset: coupled in process, the server's default with --url")
     b.add_argument("--verify", default="compact", help="compact | padded | compact,padded (A/B in one run)")
     b.add_argument("--planner", default="off", choices=["off", "cost"])
     b.add_argument("--temperature", type=float, default=0.0)

@@ -8,8 +8,8 @@ import time
 
 from tqdm import tqdm
 
-from ..spec.generator import GenRequest, SpeculativeGenerator
-from ..spec.sampling import SamplingParams
+from ..speculative.generator import GenRequest, SpeculativeGenerator
+from ..speculative.sampling import SamplingParams
 from .report import RequestRecord, StepRecord
 
 

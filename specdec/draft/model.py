@@ -15,9 +15,9 @@ from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer
 from ..errors import InvalidRequest, KVPoolExhausted
-from ..spec.accept import Mode, draft_sample
-from ..spec.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
-from ..spec.sampling import probs
+from ..speculative.accept import Mode, draft_sample
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
+from ..speculative.sampling import probs
 
 
 def layer_skip(model: Transformer, keep: str | None = None) -> Transformer:
@@ -48,8 +48,10 @@ class _Session:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model: Transformer, *, kv_tokens: int = 16384, name: str = "model"):
-        self.engine, self.name = Engine(model, kv_tokens=kv_tokens), name
+    def __init__(self, model: Transformer, *, kv_tokens: int = 16384, name: str = "model", batch_invariant: bool = True):
+        # batch_invariant: a session's drafts (hence, in rejection mode, the target's output) do not depend on which
+        # other sessions share the draft forward
+        self.engine, self.name = Engine(model, kv_tokens=kv_tokens, batch_invariant=batch_invariant), name
         self.tokens = SessionTokens()
         self.kv: collections.OrderedDict[str, _Session] = collections.OrderedDict()   # LRU order
 

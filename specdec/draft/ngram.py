@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
 
 
 def lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> list[int]:

@@ -11,12 +11,16 @@ logits come back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
+import torch.nn.functional as F
 
+from ..errors import InvalidRequest
+from .attention import plan_groups, probe_linear_invariance
 from .kv_cache import KVPool
 from .layout import Layout, SeqInput, pack
-from .model import Transformer
+from .model import Transformer, post_attention, pre_attention, tiled_linear
 
 
 @dataclasses.dataclass
@@ -32,15 +36,33 @@ class ForwardOutput:
 
 
 class Engine:
-    """`compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
+    """`batch_invariant` (default on): the logits of a row and the KV it writes are bitwise the same whatever else
+    is in the forward (row count, other sequences, layout, chunk size, verify vs decode), so a request's output never
+    depends on its neighbours. Attention runs on fixed key blocks and query tiles (engine/attention.py); linears run
+    as they are where a start-up probe finds them row-invariant (this CPU, bf16 and float32), else on fixed row tiles.
+    Off: one SDPA call per sequence, a little faster, and a row may round differently in a pack than alone.
+
+    `compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
     the dense block kernels compiled (torch.compile, one fixed-shape graph per tier, shared by all layers); ragged
-    layouts and other row counts run eager. The CPU twin of CUDA-graph capture on fixed batch tiers."""
+    layouts and other row counts run eager. The CPU twin of CUDA-graph capture on fixed batch tiers. A compiled graph
+    rounds differently from the eager kernels, so tiers need batch_invariant=False."""
 
     def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16,
-                 compile_tiers: tuple[int, ...] = ()):
+                 compile_tiers: tuple[int, ...] = (), batch_invariant: bool = True):
+        if batch_invariant and compile_tiers:
+            raise InvalidRequest("compiled tiers round differently from eager kernels", field="compile_tiers",
+                                 remedy="pass batch_invariant=False to use compile tiers")
         self.model = model.eval()
+        self.batch_invariant = batch_invariant
         self.compile_tiers = frozenset(compile_tiers)
         self._compiled = None
+        self._eager = None
+        if batch_invariant:
+            w = [model.layers[0].attn.wqkv.weight, model.layers[0].attn.wo.weight,
+                 model.layers[0].mlp.w_gate_up.weight, model.layers[0].mlp.w_down.weight]
+            if not probe_linear_invariance(w):
+                self._eager = (functools.partial(pre_attention, linear=tiled_linear),
+                               functools.partial(post_attention, linear=tiled_linear), tiled_linear)
         self.path_counts = {"compiled": 0, "eager": 0}
         self.cfg = model.cfg
         self.dtype = model.embed.weight.dtype
@@ -69,8 +91,11 @@ class Engine:
     def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
         self.rows_processed += layout.tokens.numel()
+        if self.batch_invariant:
+            layout.attn_groups = plan_groups(layout, self.dtype, self.device)
         kernels = self.kernels_for(layout)
         self.path_counts["compiled" if kernels else "eager"] += 1
+        kernels = kernels or self._eager
         logits, hidden = self.model(layout.tokens.to(self.device), layout, self.kv, layout.logit_rows.to(self.device),
                                     hidden_layers, kernels)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -82,9 +107,8 @@ class Engine:
         if T not in self.compile_tiers or len({s.n for s in layout.seqs}) != 1:
             return None
         if self._compiled is None:
-            from .model import post_attention, pre_attention
             self._compiled = (torch.compile(pre_attention, dynamic=False),
-                              torch.compile(post_attention, dynamic=False))
+                              torch.compile(post_attention, dynamic=False), F.linear)
         return self._compiled
 
     def score(self, tokens: list[int]) -> torch.Tensor:

@@ -29,7 +29,12 @@ class SeqRows:
     row0: int                     # first row in the flat batch
     n: int                        # new rows
     read_slots: torch.Tensor      # [start + n] KV slots of positions 0 .. start+n-1
-    mask: torch.Tensor | None     # [n, start + n] bool, None when a single row sees everything
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        """[n, start + n] causal bool mask for the fast SDPA path; None when a single row sees everything."""
+        start = self.read_slots.numel() - self.n
+        return None if self.n == 1 else torch.ones(self.n, start + self.n, dtype=torch.bool).tril(diagonal=start)
 
 
 @dataclasses.dataclass
@@ -41,6 +46,7 @@ class Layout:
     seqs: list[SeqRows]
     logit_rows: torch.Tensor      # rows whose logits are returned, in input order
     cu_logits: list[int]          # logits of input i are logit rows cu_logits[i] : cu_logits[i + 1]
+    attn_groups: list | None = None  # batch-invariant attention plan (engine.attention.plan_groups), None: fast SDPA
 
 
 def pack(inputs: list[SeqInput], kv: KVPool, vocab_size: int, max_seq_len: int) -> Layout:
@@ -70,8 +76,7 @@ def pack(inputs: list[SeqInput], kv: KVPool, vocab_size: int, max_seq_len: int) 
         read = kv.slots(sid, 0, start + n)
         positions.append(torch.arange(start, start + n))
         writes.append(read[start:])
-        mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
-        seqs.append(SeqRows(row0, n, read, mask))
+        seqs.append(SeqRows(row0, n, read))
         rows = {"last": [row0 + n - 1], "all": list(range(row0, row0 + n)), "none": []}[inp.logits]
         logit_rows += rows
         cu_logits.append(cu_logits[-1] + len(rows))

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import attend_fast, attend_invariant
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -50,33 +52,42 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, layout, k_cache, v_cache):
         """Write this step's keys/values at their positions' slots (rollback is just overwriting), then let each
-        sequence attend to its own cached prefix + causally within its new rows. The ragged part: always eager."""
+        row attend to its sequence's cached prefix + causally within its new rows. The ragged part: always eager."""
         k_cache.index_copy_(0, layout.write_slots, k)
         v_cache.index_copy_(0, layout.write_slots, v)
-        out = torch.empty_like(q)
-        for s in layout.seqs:
-            qs = q[s.row0:s.row0 + s.n].transpose(0, 1)[None]                 # [1, H, n, hd]
-            ks = k_cache.index_select(0, s.read_slots).transpose(0, 1)[None]  # [1, Hkv, ctx, hd]
-            vs = v_cache.index_select(0, s.read_slots).transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
-            out[s.row0:s.row0 + s.n] = o[0].transpose(0, 1)
-        return out.view(q.shape[0], -1)
+        if layout.attn_groups is not None:
+            return attend_invariant(q, k_cache, v_cache, layout.attn_groups)
+        return attend_fast(q, k_cache, v_cache, layout)
 
 
 # The dense parts of a block as pure functions of (activations, weights): one compiled graph per row-count tier
 # serves every layer (weights are arguments, not attributes the compiler would guard on).
-def pre_attention(x, norm_w, eps: float, wqkv, bqkv, cos, sin, n_heads: int, n_kv_heads: int, hd: int):
+def pre_attention(x, norm_w, eps: float, wqkv, bqkv, cos, sin, n_heads: int, n_kv_heads: int, hd: int,
+                  linear=F.linear):
     T = x.shape[0]
-    q, k, v = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv).split(
+    q, k, v = linear(rms_norm(x, norm_w, eps), wqkv, bqkv).split(
         [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=-1)
     return (rope(q.view(T, n_heads, hd), cos, sin), rope(k.view(T, n_kv_heads, hd), cos, sin),
             v.view(T, n_kv_heads, hd))
 
 
-def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down):
-    x = x + F.linear(attn, wo)
-    gate, up = F.linear(rms_norm(x, norm_w, eps), w_gate_up).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w_down)
+def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=F.linear):
+    x = x + linear(attn, wo)
+    gate, up = linear(rms_norm(x, norm_w, eps), w_gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w_down)
+
+
+def tiled_linear(x, w, b=None, tile: int = 16):
+    """F.linear on fixed tiles of `tile` rows (the last one zero-padded): every GEMM has one shape, so a row's bits
+    cannot depend on how many rows share the call. For BLAS libraries whose kernels switch by row count. The rows
+    are copied into a fresh buffer because some BLAS (MKL) also pick kernels by the operands' memory alignment."""
+    T = x.shape[0]
+    Tp = -(-T // tile) * tile
+    if Tp == 0:
+        return F.linear(x, w, b)
+    xp = x.new_zeros(Tp, x.shape[1])
+    xp[:T] = x
+    return torch.cat([F.linear(xp[i:i + tile], w, b) for i in range(0, Tp, tile)])[:T]
 
 
 def rms_norm(x, w, eps: float):
@@ -121,8 +132,8 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.dim, cfg.norm_eps), MLP(cfg)
 
-    def forward(self, x, cos, sin, layout, k_cache, v_cache, kernels=None):
-        pre, post = kernels or (pre_attention, post_attention)
+    def forward(self, x, cos, sin, layout, k_cache, v_cache, kernels):
+        pre, post = kernels
         a, m = self.attn, self.mlp
         q, k, v = pre(x, self.attn_norm.weight, self.attn_norm.eps, a.wqkv.weight, a.wqkv.bias, cos, sin,
                       a.n_heads, a.n_kv_heads, a.hd)
@@ -145,18 +156,19 @@ class Transformer(nn.Module):
     def forward(self, tokens, layout, kv, logit_rows=None, hidden_layers=(), kernels=None):
         """tokens [T] (packed rows of all sequences) -> (logits [R, V] for `logit_rows` (None: all rows),
         {layer: hidden [T, dim]} for the requested layers; layer i is the output of block i, -1 the embeddings).
-        `kernels`: (pre_attention, post_attention) to use, e.g. compiled ones (None: eager)."""
+        `kernels`: (pre_attention, post_attention, linear) to use, e.g. compiled or row-tiled ones (None: eager)."""
+        pre, post, linear = kernels or (pre_attention, post_attention, F.linear)
         dtype = self.embed.weight.dtype
         cos = self.rope_cos[layout.positions].to(dtype)
         sin = self.rope_sin[layout.positions].to(dtype)
         x = self.embed(tokens)
         hidden = {-1: x} if -1 in hidden_layers else {}
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, layout, kv.k[i], kv.v[i], kernels)
+            x = block(x, cos, sin, layout, kv.k[i], kv.v[i], (pre, post))
             if i in hidden_layers:
                 hidden[i] = x
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = self.norm(x)
-        logits = F.linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        logits = linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
         return logits, hidden

@@ -15,7 +15,7 @@ import torch
 
 from ..engine.engine import Engine
 from .accept import Mode, accept
-from .propose import DraftItem, Drafter, Proposal
+from .propose import DraftItem, Drafter, Proposal, SparseRows
 from .sampling import SamplingParams, probs
 from .verify import VerifyItem, verify
 
@@ -79,8 +79,35 @@ def plan_full(reqs: list[SpecRequest], props: list[Proposal]) -> list[int]:
 
 
 # A planner is called with (requests, proposals) and returns verify_len per request; optionally it has
-# gamma(request) (block length to draft) and observe(requests, proposals, verify_len, accepted) (see spec/plan.py).
+# gamma(request) (block length to draft) and observe(requests, proposals, verify_len, accepted) (see speculative/plan.py).
 Planner = Callable[[list[SpecRequest], list[Proposal]], list[int]]
+
+
+def _q_rows(q, vocab_size: int) -> int:
+    """Draft distributions a proposal carries for a vocabulary of `vocab_size` (0 when missing or malformed)."""
+    if isinstance(q, SparseRows):
+        return q.ids.shape[0] if q.ids.dim() == 2 and q.ids.shape == q.probs.shape else 0
+    if isinstance(q, torch.Tensor) and q.dim() == 2 and q.shape[1] == vocab_size:
+        return q.shape[0]
+    return 0
+
+
+def usable(prop: Proposal | None, r: SpecRequest, vocab_size: int) -> Proposal:
+    """The proposal if this step can verify it, else an empty one: the anchor alone, i.e. plain decoding for the
+    request this step, which is always sound (and what its output is defined by). One request's unusable answer thus
+    never fails the batch.
+
+    Rejection mode needs the draft's exact q for every verified draft. When it is missing (the wire drops empty
+    distributions) or short, the drafts are dropped rather than judged against a one-hot q: one-hot would be exact only
+    for a deterministic drafter (n-gram), and the target cannot know from the answer which drafter sampled it."""
+    empty = Proposal(r.committed[-1], [], [])
+    if prop is None or not prop.tokens:
+        return empty
+    if any(not 0 <= t < vocab_size for t in prop.tokens):
+        return empty
+    if r.mode is Mode.REJECTION and _q_rows(prop.q, vocab_size) < len(prop.tokens):
+        return empty
+    return prop
 
 
 def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecRequest], *, layout: str = "compact",
@@ -101,8 +128,10 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
         for r in spec:
             if r.rid in answers:  # a lost session (None) gets the full context next time
                 r.draft_seen = r.committed_len if answers[r.rid] is not None else 0
-    # no proposal (no drafter, drafter down, lost session): verify the anchor alone, i.e. plain decoding
-    props = [answers.get(r.rid) or Proposal(r.committed[-1], [], []) for r in reqs]
+    # no usable proposal (no drafter, drafter down, lost session, unusable answer): verify the anchor alone, i.e.
+    # plain decoding for that request
+    V = target.vocab_size
+    props = [usable(answers.get(r.rid), r, V) for r in reqs]
     t1 = time.perf_counter()
 
     # 2. plan, 3. layout + verify
@@ -112,13 +141,13 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     t2 = time.perf_counter()
 
     # 4. accept, vectorised over the ragged batch
-    V = target.vocab_size
     p = torch.cat([probs(lg, r.params) for lg, r in zip(logits, reqs)])
     drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long)
     q = None
     if any(r.mode is Mode.REJECTION and v > 1 for r, v in zip(reqs, vlen)):
-        q = torch.cat([pr.q_dense(V)[:v - 1] if r.mode is Mode.REJECTION else torch.zeros(v - 1, V, dtype=torch.float64)
-                       for r, pr, v in zip(reqs, props, vlen)])
+        # q rows only where rejection checks drafts; other requests (and rows of none) get zero-row fillers
+        q = torch.cat([pr.q_dense(V)[:v - 1].to(torch.float64) if r.mode is Mode.REJECTION and v > 1
+                       else torch.zeros(v - 1, V, dtype=torch.float64) for r, pr, v in zip(reqs, props, vlen)])
     cu_rows = torch.tensor([0] + vlen).cumsum(0)
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])

@@ -53,6 +53,9 @@ class Capabilities:
     backend: str
     seeded_sampling: bool = True           # per-request seeded non-greedy sampling (the replay guarantee)
     acceptance_modes: tuple[str, ...] = ("greedy", "rejection", "coupled")
+    # for seeded non-greedy requests that name none: coupled output is plain seeded decoding's, whatever the step
+    # structure; rejection (opt-in) accepts a few % more drafts but its text depends on the proposals
+    default_acceptance: str = "coupled"
     top_k: bool = True
     top_p: bool = True
     min_p: bool = True
@@ -62,7 +65,8 @@ class Capabilities:
 
 EMBEDDED = Capabilities("embedded")
 # A target that cannot sample per request from a seed (e.g. an external engine with batch-global RNG).
-UNSEEDED = Capabilities("unseeded", seeded_sampling=False, acceptance_modes=("greedy", "rejection"), min_p=False)
+UNSEEDED = Capabilities("unseeded", seeded_sampling=False, acceptance_modes=("greedy", "rejection"), min_p=False,
+                        default_acceptance="rejection")   # coupled needs the seed
 
 
 def validate_request(prompt: list[int], params: SamplingParams, max_tokens: int, gamma: int, mode: str,

@@ -8,10 +8,18 @@ Each request yields a_i <= verify_len_i - 1 accepted drafts followed by exactly 
 
 Modes, per request (DESIGN.md "Acceptance"):
   greedy     accept while draft == argmax p; emit argmax p of the deciding row.
-  rejection  Leviathan/Chen: accept slot iff u * q(x) < p(x); after a rejection emit a sample of max(p - q, 0),
-             after full acceptance a sample of the bonus row p.
+  rejection  Leviathan/Chen: accept slot iff u * q(x) < p(x); after a rejection emit a sample of max(p - q, 0)
+             (RESIDUAL coins); after full acceptance the bonus row is plain seeded decoding (below).
   coupled    the target's token at a row is Gumbel-max over the shared coins (= sampling.sample_seeded); accept while
              draft == that token. Output equals plain seeded decoding token for token.
+
+One seeded sampler: a token no accepted draft decides -- the bonus row, hence every row of a request with
+verify_len 1 (no drafts: speculation off, drafter down, empty proposal) -- is what plain decoding emits there:
+argmax p for greedy, sampling.sample_seeded (Gumbel-max over the GUMBEL coins of its position) otherwise, in every
+mode. So a step without drafts is exactly plain decoding. Only a rejected draft in rejection mode emits something
+else (the residual draw), which is why rejection output depends on the step structure and coupled output does not.
+The bonus row's marginal is still p: its GUMBEL coins are independent of the ACCEPT/DRAFT coins that decided the
+earlier slots (other streams, other positions).
 
 Every random number is a coin of (seed, position, stream), so the result depends on the inputs alone: not on batch
 composition, row order or how this module vectorises.
@@ -23,8 +31,8 @@ id, so they are evaluated lazily, in at most gamma + 1 waves by depth, each vect
 accept_ref.py is the same step written as a per-slot loop; set SPECDEC_CHECK_ACCEPT=1 (or CHECK_AGAINST_REFERENCE =
 True) to run both and fail loudly on any difference.
 
-Sampling from weights w (inverse CDF, used for draft, residual and bonus draws): the first id whose running sum
-(sequential float64 cumsum) exceeds u * sum(w). Weights stay unnormalised, so the residual needs no division and both
+Sampling from weights w (inverse CDF, used for rejection-mode draft and residual draws): the first id whose running
+sum (sequential float64 cumsum) exceeds u * sum(w). Weights stay unnormalised, so the residual needs no division and both
 paths do the same arithmetic.
 """
 from __future__ import annotations
@@ -228,8 +236,8 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     seed = np.array(b.seeds, dtype=np.uint64)[req_np]
     pos = np.array(b.positions, dtype=np.uint64)[req_np] + slot.cpu().numpy().astype(np.uint64)
 
-    # target[row]: the token the target itself picks at a row when that is fixed by p and the coins (greedy: argmax,
-    # coupled: Gumbel-max); -1 where not needed. Greedy and coupled slots pass iff the draft equals it.
+    # target[row]: the token plain decoding picks at a row (greedy: argmax, else Gumbel-max); -1 where not needed.
+    # Greedy and coupled slots pass iff the draft equals it; every mode emits it at the bonus row.
     target = torch.full((n_rows,), -1, dtype=torch.long, device=dev)
     greedy = (code == _GREEDY).nonzero().flatten()
     if greedy.numel():
@@ -259,21 +267,22 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     failed = draft_rows[~ok]
     num_acc = (vlen - 1).scatter_reduce(0, req[failed], slot[failed], reduce="amin")
 
-    # One target token per request, from its deciding row a_i. Rejection requests draw it: from the residual after
-    # a rejection, from p itself at the bonus row.
+    # One target token per request, from its deciding row a_i. Rejection requests that reached their bonus row emit
+    # plain seeded decoding's token there (Gumbel-max); those stopped by a rejection draw from the residual.
     deciding = starts + num_acc
-    emitted = target[deciding]
     r = (req_code == _REJECTION).nonzero().flatten()
     if r.numel():
-        rows = deciding[r]
-        rows_np = rows.cpu().numpy()
-        u = torch.from_numpy(coins_many(seed[rows_np], pos[rows_np], Stream.RESIDUAL)).to(dev)
         stopped = num_acc[r] < vlen[r] - 1
-        if bool((~stopped).any()):
-            emitted[r[~stopped]] = inverse_cdf(p[rows[~stopped]], u[~stopped])
-        if bool(stopped.any()):
-            rs, ss = rows[stopped], r[stopped]
-            emitted[ss] = inverse_cdf(residual_weights(p[rs], q[rs - ss]), u[stopped])
+        bonus = deciding[r[~stopped]]
+        if bonus.numel():
+            bonus_np = bonus.cpu().numpy()
+            target[bonus] = _gumbel_argmax(p, bonus, seed[bonus_np], pos[bonus_np])
+    emitted = target[deciding]
+    if r.numel() and bool(stopped.any()):
+        rs, ss = deciding[r[stopped]], r[stopped]
+        rows_np = rs.cpu().numpy()
+        u = torch.from_numpy(coins_many(seed[rows_np], pos[rows_np], Stream.RESIDUAL)).to(dev)
+        emitted[ss] = inverse_cdf(residual_weights(p[rs], q[rs - ss]), u)
 
     acc, em, xs = num_acc.tolist(), emitted.tolist(), draft_tokens.tolist()
     tokens = [xs[lo - i: lo - i + acc[i]] + [em[i]] for i, lo in enumerate(b.cu[:-1])]

@@ -1,6 +1,6 @@
 """SpeculativeGenerator: the speculative loop in process — admit, then speculative steps until every request stops.
 
-    gen = SpeculativeGenerator(target_engine, NgramDrafter(), gamma=4, mode=Mode.REJECTION)
+    gen = SpeculativeGenerator(target_engine, NgramDrafter(), gamma=4)          # coupled for sampled requests
     outs = gen.generate([GenRequest(prompt_ids, SamplingParams(temperature=0.7), max_tokens=64)])
 
 The services (target_service) drive the same `speculative_step` from their scheduler; this class is the library's
@@ -67,10 +67,12 @@ class TraceWriter:
 
 
 class SpeculativeGenerator:
-    def __init__(self, target: Engine, drafter: Drafter | None, *, gamma: int = 4, mode: str | Mode = Mode.REJECTION,
+    def __init__(self, target: Engine, drafter: Drafter | None, *, gamma: int = 4, mode: str | Mode | None = None,
                  layout: str = "compact", tokenizer=None, plan: Planner = plan_full, trace: TextIO | None = None,
                  caps: Capabilities = EMBEDDED):
-        self.target, self.drafter, self.gamma, self.mode = target, drafter, gamma, Mode(mode)
+        # mode None: the capability table's default (coupled: output = plain seeded decoding, whatever the drafter)
+        self.target, self.drafter, self.gamma = target, drafter, gamma
+        self.mode = Mode(caps.default_acceptance if mode is None else mode)
         self.layout, self.tokenizer, self.plan, self.caps = layout, tokenizer, plan, caps
         self.trace = TraceWriter(trace) if trace else None
         self.steps: list[StepInfo] = []

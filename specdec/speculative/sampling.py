@@ -4,7 +4,8 @@ Draft q, target p and plain decoding all go through `probs`, so the three agree 
 softmax(logits / T), then top-k, top-p, min-p, renormalised, in float64.
 
 Seeded sampling is Gumbel-max over coins: token = argmax_v(log p(v) + G(seed, position, v)). It needs no RNG state,
-and the coupled acceptance mode reproduces it exactly.
+the coupled acceptance mode reproduces it exactly, and every mode uses it for each token no accepted draft decides
+(speculation off, no drafts, the bonus row): one seeded sampler.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def accept_reference(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torc
         out: list[int] = []
         for j in range(n_rows):
             row, at = p[first_row + j], position + j
-            if j == n_rows - 1:                      # bonus row: every verified draft was accepted
+            if j == n_rows - 1:                      # bonus row: every verified draft was accepted; plain decoding
                 out.append(_target_token(row, mode, seed, at))
                 break
             d = first_row - i + j                    # this slot's index into draft_tokens and q
@@ -49,12 +49,10 @@ def accept_reference(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torc
 
 
 def _target_token(row: torch.Tensor, mode: Mode, seed: int, position: int) -> int:
-    """What the target emits from one row when no draft is in the way."""
+    """What the target emits from one row when no draft is in the way: plain decoding, in every mode."""
     if mode is Mode.GREEDY:
         return int(row.argmax())
-    if mode is Mode.COUPLED:
-        return sampling.sample_seeded(row, seed, position)
-    return _inverse_cdf(row.tolist(), coin(seed, position, Stream.RESIDUAL))
+    return sampling.sample_seeded(row, seed, position)
 
 
 def _inverse_cdf(weights: list[float], u: float) -> int:

@@ -19,10 +19,11 @@ _M64 = (1 << 64) - 1
 
 
 class Stream(enum.IntEnum):
-    GUMBEL = 1      # Gumbel-max sampling: plain seeded decoding, coupled draft and target
+    GUMBEL = 1      # Gumbel-max sampling: plain seeded decoding (every token no accepted draft decides, the bonus
+    #                 row included, in every mode), coupled draft and target
     DRAFT = 2       # draft sampling in rejection mode
     ACCEPT = 3      # accept/reject coin of a draft slot
-    RESIDUAL = 4    # residual (after a rejection) and bonus sampling
+    RESIDUAL = 4    # the residual draw after a rejected draft (rejection mode)
 
 
 def mix(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,113 @@
+"""Attention over the paged KV cache, two ways.
+
+`attend_fast`: one SDPA call per sequence (its new rows against its cached prefix + causally within them). Fast, but
+its kernels reduce in an order that depends on how many query rows share the call: a row's output in a 4-row verify
+differs in the last bits from the same row decoded alone, and in bf16 that can flip a near-tie token.
+
+`attend_invariant` (the default, see Engine(batch_invariant=...)): a row's output is a function of that row alone, bit
+for bit, whatever else is in the forward (other sequences, other rows of its own sequence, chunk sizes, verify vs
+decode). Three rules make it so:
+  - Key length: a row at absolute position p attends to keys 0..p, read in a padded length Lp = ceil((p+1)/KEY_BLOCK)
+    * KEY_BLOCK that depends on p only (the padding is masked). Rows are grouped by Lp, so every reduction over keys
+    has the same length for a row whether it runs alone or in a pack.
+  - Query tiles: the score and value GEMMs run on fixed tiles of QUERY_TILE rows (padded), batched, so every GEMM has
+    one shape. BLAS picks kernels by row count (measured here: MKL's float32 GEMM gives a row different bits at 1-3
+    rows than at >= 4, and float64 differs again on ragged tails); with one shape there is one kernel.
+  - Accumulation: scores, softmax and the weighted sum in float32 for bf16/fp16 models (the model dtype otherwise),
+    softmax per row over the fixed padded length.
+Linear layers, norms, RoPE and the MLP are per-row already on this CPU (checked by `probe_linear_invariance` at engine
+start; where a BLAS is not, the engine runs linears on fixed row tiles too, see model.tiled_linear).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 64       # keys are read in multiples of this (the padding is masked)
+QUERY_TILE = 8       # every score / value GEMM has exactly this many query rows
+
+
+@dataclasses.dataclass
+class AttnGroup:
+    """Rows of one sequence whose padded key length is the same."""
+    rows: slice               # rows in the flat batch
+    slots: torch.Tensor       # [Lp] KV slots to read (padding points at position 0's slot: finite, then masked)
+    mask: torch.Tensor        # [m, Lp] additive float mask: 0 for keys the row sees, -inf beyond its position
+
+
+def plan_groups(layout, dtype: torch.dtype, device) -> list[AttnGroup]:
+    """Computed once per forward from the layout, shared by every layer."""
+    acc = _acc_dtype(dtype)
+    groups = []
+    for s in layout.seqs:
+        start = s.read_slots.numel() - s.n
+        lens = torch.arange(start + 1, start + s.n + 1)                 # keys each new row sees
+        padded = (lens + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK
+        i = 0
+        while i < s.n:
+            lp = int(padded[i])
+            j = i + int((padded[i:] == lp).sum())
+            slots = s.read_slots[:lp] if lp <= s.read_slots.numel() else torch.cat(
+                [s.read_slots, s.read_slots[:1].expand(lp - s.read_slots.numel())])
+            mask = torch.zeros(j - i, lp, dtype=acc)
+            mask.masked_fill_(torch.arange(lp)[None, :] >= lens[i:j, None], float("-inf"))
+            groups.append(AttnGroup(slice(s.row0 + i, s.row0 + j), slots.to(device), mask.to(device)))
+            i = j
+    return groups
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
+    """q [T, H, hd] -> [T, H * hd]. k_cache/v_cache [slots, Hkv, hd] already hold this forward's keys/values."""
+    T, H, hd = q.shape
+    Hkv = k_cache.shape[1]
+    g = H // Hkv
+    acc = _acc_dtype(q.dtype)
+    scale = 1.0 / math.sqrt(hd)
+    out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+    for grp in groups:
+        m = grp.rows.stop - grp.rows.start
+        M = m * g                                                           # query rows per kv head
+        Mp = -(-M // QUERY_TILE) * QUERY_TILE
+        # [Hkv, M, hd], rows ordered (row, head-in-group); zero rows pad to whole tiles
+        qh = q[grp.rows].view(m, Hkv, g, hd).permute(1, 0, 2, 3).reshape(Hkv, M, hd)
+        qt = torch.zeros(Hkv, Mp, hd, dtype=acc, device=q.device)
+        qt[:, :M] = qh
+        kt = k_cache.index_select(0, grp.slots).to(acc).permute(1, 2, 0)[:, None]   # [Hkv, 1, hd, Lp]
+        vt = v_cache.index_select(0, grp.slots).to(acc).permute(1, 0, 2)[:, None]   # [Hkv, 1, Lp, hd]
+        s = torch.matmul(qt.view(Hkv, Mp // QUERY_TILE, QUERY_TILE, hd), kt).view(Hkv, Mp, -1) * scale
+        s[:, :M] += grp.mask.repeat_interleave(g, 0)
+        p = torch.softmax(s, dim=-1)
+        o = torch.matmul(p.view(Hkv, Mp // QUERY_TILE, QUERY_TILE, -1), vt).view(Hkv, Mp, hd)[:, :M]
+        out[grp.rows] = o.view(Hkv, m, g, hd).permute(1, 0, 2, 3).reshape(m, H * hd).to(q.dtype)
+    return out
+
+
+def attend_fast(q, k_cache, v_cache, layout):
+    """One SDPA call per sequence: its new rows against its cached prefix + causally within them."""
+    out = torch.empty_like(q)
+    for s in layout.seqs:
+        qs = q[s.row0:s.row0 + s.n].transpose(0, 1)[None]                 # [1, H, n, hd]
+        ks = k_cache.index_select(0, s.read_slots).transpose(0, 1)[None]  # [1, Hkv, ctx, hd]
+        vs = v_cache.index_select(0, s.read_slots).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
+        out[s.row0:s.row0 + s.n] = o[0].transpose(0, 1)
+    return out.view(q.shape[0], -1)
+
+
+def probe_linear_invariance(weights: list[torch.Tensor], rows=(1, 2, 3, 4, 5, 8, 13, 16, 33, 64)) -> bool:
+    """Does F.linear give each row the same bits at every row count, for these weights on this device/BLAS?
+    A cheap start-up check (random inputs), not a proof: the engine tests check whole forwards."""
+    gen = torch.Generator().manual_seed(0)
+    for w in weights:
+        x = torch.randn(max(rows), w.shape[1], generator=gen).to(w.dtype).to(w.device)
+        one = torch.cat([F.linear(x[i:i + 1], w) for i in range(max(rows))])
+        if not all(torch.equal(F.linear(x[:n], w), one[:n]) for n in rows):
+            return False
+    return True

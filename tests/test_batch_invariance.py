@@ -1,0 +1,166 @@
+"""Batch invariance on bf16 weights: a row's logits and the KV it writes are bitwise (torch.equal) the same whatever
+else is in the forward -- other sequences and their lengths, how many rows, compact or padded verify, prefill chunk
+size, verify + rollback -- so a request's output cannot depend on its neighbours.
+
+Float64 tiny models are not covered bitwise: MKL's small float64 GEMMs pick kernels by batch size, so there rows agree
+to ~1e-14 (tests/test_engine_packed.py); bf16 and float32 models (float32 attention) are bitwise invariant.
+"""
+import pytest
+import torch
+
+from specdec.engine.engine import Engine
+from specdec.engine.layout import SeqInput
+from specdec.engine.registry import load
+from specdec.speculative.verify import VerifyItem, verify
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    return load("tiny-qwen2", "bf16").model        # Qwen2-shaped: q/k/v bias, untied lm_head, GQA
+
+
+def _models(request, name):
+    return request.getfixturevalue(name) if name == "tiny_bf16" else request.getfixturevalue("smollm2").model
+
+
+MODELS = [pytest.param("tiny_bf16", id="tiny-qwen2-bf16"),
+          pytest.param("smollm2", id="smollm2-bf16", marks=pytest.mark.slow)]
+
+
+def decode_alone(e: Engine, seq: int, start: int, tokens: list[int]) -> torch.Tensor:
+    """Reference: the rows fed one at a time, each its own one-row forward. Logits [n, V]."""
+    return torch.cat([e.forward([SeqInput(seq, [t], start=start + j, logits="all")]).rows(0)
+                      for j, t in enumerate(tokens)])
+
+
+def kv_of(e: Engine, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = e.kv.slots(seq, 0, e.length(seq))
+    return e.kv.k[:, slots].clone(), e.kv.v[:, slots].clone()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_rows_equal_rows_alone(name, request):
+    """Random packs: 1..8 sequences, mixed prefix lengths (including none), 1..32 rows in all."""
+    model = _models(request, name)
+    V, small = model.cfg.vocab_size, name == "tiny_bf16"
+    g = torch.Generator().manual_seed(1)
+    e = Engine(model, kv_tokens=8192)
+    for trial in range(8 if small else 3):
+        nseq = int(torch.randint(1, 9, (1,), generator=g))
+        rows = torch.randint(1, 5 if nseq > 4 else 9, (nseq,), generator=g).tolist()
+        pre = torch.randint(0, 120 if small else 40, (nseq,), generator=g).tolist()
+        seqs = [e.new_sequence() for _ in range(nseq)]
+        prefixes = [torch.randint(0, V, (n,), generator=g).tolist() for n in pre]
+        news = [torch.randint(0, V, (n,), generator=g).tolist() for n in rows]
+        if any(pre):
+            e.forward([SeqInput(s, p, logits="none") for s, p in zip(seqs, prefixes) if p])
+        out = e.forward([SeqInput(s, n, logits="all") for s, n in zip(seqs, news)])
+        packed_kv = [kv_of(e, s) for s in seqs]
+        for i, (s, p, n) in enumerate(zip(seqs, prefixes, news)):
+            alone = decode_alone(e, s, len(p), n)
+            assert torch.equal(out.rows(i), alone), (trial, i, len(p), len(n))
+            k, v = kv_of(e, s)
+            assert torch.equal(k, packed_kv[i][0]) and torch.equal(v, packed_kv[i][1]), (trial, i)
+        for s in seqs:
+            e.release(s)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compact_and_padded_verify_equal(name, request):
+    """The same verify in the compact layout (sum(verify_len) rows) and the padded one (gamma + 1 rows each) gives
+    bitwise-equal logits for every verified row, and equal to one-row decodes."""
+    model = _models(request, name)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    drafts = [torch.randint(0, V, (4,), generator=g).tolist() for _ in prompts]
+    vlen = [1, 3, 5]
+    got = {}
+    for layout in ("compact", "padded"):
+        e = Engine(model, kv_tokens=4096)
+        seqs = [e.new_sequence() for _ in prompts]
+        e.prefill(seqs, [p[:-1] for p in prompts])
+        items = [VerifyItem(s, len(p) - 1, p[-1], d, v) for s, p, d, v in zip(seqs, prompts, drafts, vlen)]
+        got[layout], rows = verify(e, items, layout, width=5)
+        assert rows == (sum(vlen) if layout == "compact" else 15)
+    for i, (p, d, v) in enumerate(zip(prompts, drafts, vlen)):
+        assert torch.equal(got["compact"][i], got["padded"][i]), i
+        e = Engine(model, kv_tokens=4096)
+        s = e.new_sequence()
+        e.prefill([s], [p[:-1]])
+        assert torch.equal(got["compact"][i], decode_alone(e, s, len(p) - 1, [p[-1]] + d[:v - 1])), i
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefill_chunk_size_does_not_matter(name, request):
+    """Chunked prefill (1, 7, 64 rows per forward, or whole) writes equal KV and gives equal last-row logits, with a
+    second prompt packed beside it."""
+    model = _models(request, name)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(3)
+    n = 90 if name == "tiny_bf16" else 40
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist(), torch.randint(0, V, (n // 3,), generator=g).tolist()]
+    results = []
+    for chunk in (1, 7, 64, 10_000):
+        e = Engine(model, kv_tokens=4096)
+        seqs = [e.new_sequence() for _ in prompts]
+        last = e.prefill(seqs, prompts, chunk_tokens=chunk)
+        results.append((chunk, last, [kv_of(e, s) for s in seqs]))
+    _, last0, kv0 = results[0]
+    for chunk, last, kv in results[1:]:
+        assert torch.equal(last, last0), chunk
+        for (k, v), (k0, v0) in zip(kv, kv0):
+            assert torch.equal(k, k0) and torch.equal(v, v0), chunk
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_after_verify_and_rollback(name, request):
+    """A verify block whose first row is accepted and the rest rolled back leaves no trace: the following decodes
+    and the KV equal those of a run that decoded the accepted token alone."""
+    model = _models(request, name)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(4)
+    prompt, block, cont = (torch.randint(0, V, (n,), generator=g).tolist() for n in (21, 6, 4))
+    runs = []
+    for with_verify in (True, False):
+        e = Engine(model, kv_tokens=4096)
+        s = e.new_sequence()
+        e.prefill([s], [prompt])
+        e.forward([SeqInput(s, block if with_verify else block[:1], logits="all")])
+        e.truncate(s, len(prompt) + 1)
+        runs.append((decode_alone(e, s, len(prompt) + 1, cont), kv_of(e, s)))
+    (a, (ka, va)), (b, (kb, vb)) = runs
+    assert torch.equal(a, b)
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_fast_attention_is_the_only_difference(tiny_bf16):
+    """batch_invariant=False (one SDPA call per sequence) computes the same thing up to rounding."""
+    V = tiny_bf16.cfg.vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompt, new = torch.randint(0, V, (50,), generator=g).tolist(), torch.randint(0, V, (6,), generator=g).tolist()
+    outs = []
+    for bi in (True, False):
+        e = Engine(tiny_bf16, kv_tokens=1024, batch_invariant=bi)
+        s = e.new_sequence()
+        e.prefill([s], [prompt])
+        outs.append(e.forward([SeqInput(s, new, logits="all")]).rows(0))
+    assert (outs[0] - outs[1]).abs().max() < 0.1 * outs[1].abs().max()
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+def test_compile_tiers_need_batch_invariant_off(tiny_bf16):
+    from specdec.errors import InvalidRequest
+    with pytest.raises(InvalidRequest, match="batch_invariant=False"):
+        Engine(tiny_bf16, compile_tiers=(8,))
+
+
+def test_the_check_catches_a_non_invariant_forward(tiny_bf16, monkeypatch):
+    """Planted bug: with batch invariance off (one SDPA call per sequence, whose kernels reduce by query count on
+    this CPU) the packed-vs-alone check above must fail."""
+    import specdec.engine.engine as engine_mod
+    init = engine_mod.Engine.__init__
+    monkeypatch.setattr(engine_mod.Engine, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "batch_invariant": False}))
+    with pytest.raises(AssertionError):
+        test_packed_rows_equal_rows_alone("tiny_bf16", type("R", (), {"getfixturevalue": lambda _, n: tiny_bf16})())
