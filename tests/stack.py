@@ -1,6 +1,7 @@
 """Real processes on loopback for integration tests: draft server, target server, and waiting for their health."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -11,6 +12,8 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.state import open_store
 
 from .conftest import free_port
 
@@ -113,3 +116,14 @@ class Target(Proc):
         wait_http(self.url + "/health", self, timeout)
         wait_grpc(self.grpc_addr, self, timeout)
         return self
+
+
+def redis_record(redis_url, ns, rid):
+    """The store's record of a request (a fresh connection, closed again)."""
+    async def get():
+        store = open_store(redis_url, namespace=ns)
+        try:
+            return await store.get(rid)
+        finally:
+            await store.close()
+    return asyncio.run(get())

@@ -52,12 +52,11 @@ from specdec.engine.engine import Engine
 from specdec.generate import Request, generate
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
 from specdec.speculative.sampling import SamplingParams
-from specdec.state import open_store
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 
 from .conftest import free_port
-from .stack import Draft, Target
+from .stack import Draft, Target, redis_record
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -158,16 +157,6 @@ def metric(t: Target, name: str) -> float:
                if x.startswith(name + "{") or x.startswith(name + " "))
 
 
-def record(redis_url: str, ns: str, rid: str):
-    async def get():
-        store = open_store(redis_url, namespace=ns)
-        try:
-            return await store.get(rid)
-        finally:
-            await store.close()
-    return asyncio.run(get())
-
-
 def cut_at_stop(text: str, stop) -> tuple[str, bool]:
     """The server's stop-string rule (target_service/scheduler.py, Scheduler._stream): the text ends before the first
     occurrence of any stop string in the decoded output."""
@@ -233,7 +222,7 @@ def alone(stack, redis_url, ns) -> dict[str, Out]:
     out = {}
     for name in SUBJECTS:
         o = asyncio.run(_chat(aclient(stack.target), _kw(name)))
-        o.tokens = record(redis_url, ns, o.rid).output
+        o.tokens = redis_record(redis_url, ns, o.rid).output
         out[name] = o
     print(f"\n[alone] {({k: (v.finish, len(v.tokens)) for k, v in out.items()})}")
     return out
@@ -459,7 +448,7 @@ def run_mixed(stack: Stack, smol, engine: Engine, drafter: str, redis_url: str, 
     accepted = dict(drafted)
     for m, g in zip(reqs, got):
         text, finish, toks = refs[m.k]
-        rec = record(redis_url, ns, g["rid"])
+        rec = redis_record(redis_url, ns, g["rid"])
         committed = rec.output
         drafted[m.mode] += rec.stats.get("drafted", 0)
         accepted[m.mode] += rec.stats.get("accepted", 0)
@@ -540,7 +529,7 @@ def test_same_output_after_target_killed_and_resumed(stack, alone, redis_url, ns
         await asyncio.gather(*tasks)
 
     asyncio.run(run())
-    partial = {n: record(redis_url, ns, rid) for n, rid in rids.items()}
+    partial = {n: redis_record(redis_url, ns, rid) for n, rid in rids.items()}
     for n, rec in partial.items():            # killed mid-request: some tokens committed, not all
         assert rec.status == "running" and 0 < len(rec.output) < SUBJECTS[n]["max_tokens"], (n, rec.status,
                                                                                               len(rec.output))
@@ -555,7 +544,7 @@ def test_same_output_after_target_killed_and_resumed(stack, alone, redis_url, ns
     for n, r in zip(SUBJECTS, asyncio.run(resume())):
         assert (r.choices[0].message.content, r.choices[0].finish_reason) == (alone[n].text, alone[n].finish), n
         assert r.model_extra["spec"]["resumed_tokens"] == len(partial[n].output)
-        assert record(redis_url, ns, rids[n]).output == alone[n].tokens, n
+        assert redis_record(redis_url, ns, rids[n]).output == alone[n].tokens, n
 
 
 def test_mixed_traffic_layer_skip_drafter(stack, smol, ref_engine, redis_url, ns):

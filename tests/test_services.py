@@ -14,11 +14,10 @@ from openai import AsyncOpenAI, BadRequestError, OpenAI
 from specdec.engine.engine import Engine
 from specdec.generate import Request, generate
 from specdec.speculative.sampling import SamplingParams
-from specdec.state import open_store
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 
-from .stack import Draft, Target
+from .stack import Draft, Target, redis_record
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,16 +30,6 @@ def reference(lm, prompt_ids, max_tokens, params=SamplingParams()):
 
 def client(t: Target) -> OpenAI:
     return OpenAI(base_url=t.url + "/v1", api_key="unused", max_retries=0)
-
-
-def redis_record(redis_url, ns, rid):
-    async def get():
-        store = open_store(redis_url, namespace=ns)
-        try:
-            return await store.get(rid)
-        finally:
-            await store.close()
-    return asyncio.run(get())
 
 
 def redis_keys(redis_url, ns) -> int:

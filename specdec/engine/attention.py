@@ -35,10 +35,11 @@ class AttnGroup:
     """Rows of one sequence whose padded key length is the same."""
     rows: slice               # rows in the flat batch
     slots: torch.Tensor       # [Lp] KV slots to read (padding points at position 0's slot: finite, then masked)
-    mask: torch.Tensor        # [m, Lp] additive float mask: 0 for keys the row sees, -inf beyond its position
+    mask: torch.Tensor        # [m * g, Lp] additive float mask per (row, head in kv group): 0 for keys the row
+                              # sees, -inf beyond its position
 
 
-def plan_groups(layout, dtype: torch.dtype, device) -> list[AttnGroup]:
+def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[AttnGroup]:
     """Computed once per forward from the layout, shared by every layer."""
     acc = _acc_dtype(dtype)
     groups = []
@@ -54,7 +55,8 @@ def plan_groups(layout, dtype: torch.dtype, device) -> list[AttnGroup]:
                 [s.read_slots, s.read_slots[:1].expand(lp - s.read_slots.numel())])
             mask = torch.zeros(j - i, lp, dtype=acc)
             mask.masked_fill_(torch.arange(lp)[None, :] >= lens[i:j, None], float("-inf"))
-            groups.append(AttnGroup(slice(s.row0 + i, s.row0 + j), slots.to(device), mask.to(device)))
+            groups.append(AttnGroup(slice(s.row0 + i, s.row0 + j), slots.to(device),
+                                     mask.repeat_interleave(heads_per_kv, 0).to(device)))
             i = j
     return groups
 
@@ -82,7 +84,7 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
         kt = k_cache.index_select(0, grp.slots).to(acc).permute(1, 2, 0)[:, None]   # [Hkv, 1, hd, Lp]
         vt = v_cache.index_select(0, grp.slots).to(acc).permute(1, 0, 2)[:, None]   # [Hkv, 1, Lp, hd]
         s = torch.matmul(qt.view(Hkv, Mp // QUERY_TILE, QUERY_TILE, hd), kt).view(Hkv, Mp, -1) * scale
-        s[:, :M] += grp.mask.repeat_interleave(g, 0)
+        s[:, :M] += grp.mask
         p = torch.softmax(s, dim=-1)
         o = torch.matmul(p.view(Hkv, Mp // QUERY_TILE, QUERY_TILE, -1), vt).view(Hkv, Mp, hd)[:, :M]
         out[grp.rows] = o.view(Hkv, m, g, hd).permute(1, 0, 2, 3).reshape(m, H * hd).to(q.dtype)

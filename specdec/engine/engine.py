@@ -92,7 +92,7 @@ class Engine:
         layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
         self.rows_processed += layout.tokens.numel()
         if self.batch_invariant:
-            layout.attn_groups = plan_groups(layout, self.dtype, self.device)
+            layout.attn_groups = plan_groups(layout, self.dtype, self.device, self.cfg.n_heads // self.cfg.n_kv_heads)
         kernels = self.kernels_for(layout)
         self.path_counts["compiled" if kernels else "eager"] += 1
         kernels = kernels or self._eager
