@@ -156,11 +156,20 @@ def test_compile_tiers_need_batch_invariant_off(tiny_bf16):
 
 
 def test_the_check_catches_a_non_invariant_forward(tiny_bf16, monkeypatch):
-    """Planted bug: with batch invariance off (one SDPA call per sequence, whose kernels reduce by query count on
-    this CPU) the packed-vs-alone check above must fail."""
-    import specdec.engine.engine as engine_mod
-    init = engine_mod.Engine.__init__
-    monkeypatch.setattr(engine_mod.Engine, "__init__",
-                        lambda self, *a, **k: init(self, *a, **{**k, "batch_invariant": False}))
+    """Planted bug: an RMSNorm that, like a split-K GEMM heuristic, reduces in two halves once 4 or more rows share
+    the call (each half's sum rounded to bf16). Whether the CPU's own kernels switch with row count varies by machine
+    (AMD AVX2 SDPA did, Intel AMX does not for this tiny model), so the planted switch is explicit: the
+    packed-vs-alone check above must fail on it."""
+    import specdec.engine.model as model_mod
+    rms_norm = model_mod.rms_norm
+
+    def split_when_packed(x, w, eps):
+        if x.shape[0] < 4:
+            return rms_norm(x, w, eps)
+        h = x.shape[-1] // 2
+        ss = x[:, :h].pow(2).sum(-1, keepdim=True) + x[:, h:].pow(2).sum(-1, keepdim=True)     # bf16 partials
+        return (x.float() * torch.rsqrt(ss.float() / x.shape[-1] + eps)).to(x.dtype) * w
+
+    monkeypatch.setattr(model_mod, "rms_norm", split_when_packed)
     with pytest.raises(AssertionError):
         test_packed_rows_equal_rows_alone("tiny_bf16", type("R", (), {"getfixturevalue": lambda _, n: tiny_bf16})())
