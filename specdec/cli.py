@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=cmd_generate)
     from .bench.main import add_parsers
     add_parsers(sub)
+    from .export import add_parser as add_export_parser
+    add_export_parser(sub)
     args = ap.parse_args(argv)
     try:
         return args.func(args)
