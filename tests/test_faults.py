@@ -430,7 +430,9 @@ def draft_has_session(addr: str, rid: str) -> bool:
 def test_client_disconnect_frees_kv_and_draft_session(tmp, draft, lm, redis_url):
     ns = f"test-{uuid.uuid4().hex[:8]}"
     rid = "gone-" + ns
-    t = Target(tmp, draft=draft.addr, redis_url=redis_url, namespace=ns, extra=["--fault-step-delay-ms", "50"])
+    # 150 ms a step: 400 tokens take >= 80 steps (12 s), so the request is still running while a loaded machine's
+    # first Proposes miss their deadline (the CI failure with 50 ms: it had finished before the probe saw a session).
+    t = Target(tmp, draft=draft.addr, redis_url=redis_url, namespace=ns, extra=["--fault-step-delay-ms", "150"])
     try:
         t.up()
         idle = metric(t, "specdec:kv_free_tokens")
