@@ -36,7 +36,10 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def timed(fn, reps):
+def timed(fn, reps, warmup: int = 0):
+    """Median ms of `reps` calls (after `warmup` untimed ones)."""
+    for _ in range(warmup):
+        fn()
     ts = []
     for _ in range(reps):
         t = time.perf_counter()

@@ -195,6 +195,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, help="target REST port (default 8000; 0 = any free port)")
     ap.add_argument("--grpc-port", type=int, help="target gRPC port (default 50051; 0 = any free port)")
     ap.add_argument("--draft-port", type=int, help="draft gRPC port (default 50061; 0 = any free port)")
+    ap.add_argument("--tp", type=int, default=1, help="target tensor-parallel ranks (default 1)")
+    ap.add_argument("--device", default="cpu", help="target and draft device: cpu | cuda | cuda:N (default cpu)")
     ap.add_argument("--no-redis", action="store_true", help="use the embedded in-memory store even if Redis exists")
     ap.add_argument("--check", action="store_true",
                     help="smoke test: start, wait for health, send one chat request, shut down, exit 0")
@@ -275,10 +277,12 @@ def run(args: argparse.Namespace, children: list[Child]) -> int:
     py = sys.executable
     # --target-model is what layer-skip keeps layers of; other drafters ignore it.
     draft = Child("draft server", [py, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft_port"]),
-                                   "--drafter", args.drafter, "--target-model", args.model], args.log_dir / "draft.log")
+                                   "--drafter", args.drafter, "--target-model", args.model, "--device", args.device],
+                  args.log_dir / "draft.log")
     target = Child("target server", [py, "-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["port"]),
                                      "--grpc-port", str(ports["grpc_port"]), "--model", args.model,
-                                     "--draft", draft_addr, "--draft-name", args.drafter, "--redis-url", redis_url],
+                                     "--draft", draft_addr, "--draft-name", args.drafter, "--redis-url", redis_url,
+                                     "--tp", str(args.tp), "--device", args.device],
                     args.log_dir / "target.log")
     # Both at once: the target's draft channel connects lazily, and loading the two models overlaps.
     for c in (draft, target):

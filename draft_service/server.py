@@ -278,13 +278,15 @@ def build_server(drafter: Drafter, host: str = "127.0.0.1", port: int = 0, max_m
 
 def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
     from specdec.draft import make_drafter
+    from specdec.engine.backend import check_device
 
+    check_device(args.device)                 # a clear error before any weights load
     target = None
     if args.drafter == "layer-skip":      # shares the target's weights, so the target is loaded here
         from specdec.engine.registry import load
-        target = load(args.target_model, args.dtype).model
+        target = load(args.target_model, args.dtype, quant=args.quant).model
     return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
-                        batch_invariant=args.batch_invariant)
+                        batch_invariant=args.batch_invariant, device=args.device, quant=args.quant)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -343,6 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="layer-skip: target layers to keep, e.g. 0-11,18-29 [SPECDEC_DRAFT_LAYERS]")
     p.add_argument("--dtype", default=_env("SPECDEC_DTYPE", None),
                    help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*) [SPECDEC_DTYPE]")
+    p.add_argument("--device", default=_env("SPECDEC_DEVICE", "cpu"),
+                   help="cpu | cuda | cuda:N: where a model drafter runs [SPECDEC_DEVICE]")
+    p.add_argument("--quant", default=_env("SPECDEC_DRAFT_QUANT", "none"), choices=["none", "int8", "int4"],
+                   help="weight-only quantized linears for the draft model (layer-skip: the target's layers it "
+                        "keeps) [SPECDEC_DRAFT_QUANT]")
     p.add_argument("--kv-tokens", type=int, default=int(_env("SPECDEC_KV_TOKENS", 16384)),
                    help="draft KV pool in tokens; idle sessions are evicted (LRU) when full [SPECDEC_KV_TOKENS]")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,

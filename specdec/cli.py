@@ -16,7 +16,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"preset ({', '.join(PRESETS)}), .gguf file or HF dir")
     p.add_argument("--dtype", default=None, help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*)")
     p.add_argument("--kv-tokens", type=int, default=16384, help="KV pool size in tokens")
+    add_quant_arg(p)
+    add_device_args(p)
     add_batch_invariant_arg(p)
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=int(os.environ.get("SPECDEC_TP", 1)),
+                   help="tensor-parallel ranks for the target (this process is rank 0) [SPECDEC_TP]")
+    p.add_argument("--device", default=os.environ.get("SPECDEC_DEVICE", "cpu"),
+                   help="cpu | cuda | cuda:N (with --tp, rank r on cuda:N+r; a model drafter on cuda:N) "
+                        "[SPECDEC_DEVICE]")
+
+
+def add_quant_arg(p: argparse.ArgumentParser, flag: str = "--quant", env: str = "SPECDEC_QUANT",
+                  what: str = "the target") -> None:
+    # choices= makes argparse name the flag and the allowed values; an env value is checked by registry.load.
+    p.add_argument(flag, default=os.environ.get(env, "none"), choices=["none", "int8", "int4"],
+                   help=f"weight-only quantized linears for {what}: int8 per channel, int4 groups of 32 (from a "
+                        f"GGUF's own 4-bit blocks where it has them); cached like the converted weights [{env}]")
 
 
 def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
@@ -43,6 +61,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="ngram | layer-skip | a draft model (preset/path); "
                                                  "unset = target-only decoding")
     p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
+    add_quant_arg(p, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
+    p.add_argument("--draft-checkpoint", default=None, help="block: a trained drafter's directory "
+                                                            "(make train-drafter writes ~/.cache/specdec/drafter/...)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
     p.add_argument("--acceptance", default="coupled", choices=["rejection", "coupled"],
                    help="for non-greedy requests (greedy requests always accept greedily): coupled gives exactly "
@@ -55,20 +76,33 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     import torch
 
-    from .engine.engine import Engine
-    from .engine.registry import load
+    from .engine.backend import open_backend
+
+    torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", torch.get_num_threads())))
+    lm = open_backend(args.model, tp=args.tp, dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens,
+                      batch_invariant=args.batch_invariant, quant=args.quant)
+    try:
+        return _generate(args, lm)
+    finally:
+        lm.backend.close()
+
+
+def _generate(args, lm) -> int:
     from .engine.tokenizer import StreamDecoder
     from .speculative.generator import GenRequest, SpeculativeGenerator
     from .speculative.sampling import SamplingParams
 
-    torch.set_num_threads(int(os.environ.get("SPECDEC_THREADS", torch.get_num_threads())))
-    lm = load(args.model, args.dtype)
-    engine = Engine(lm.model, kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant)
+    engine = lm.backend
     drafter = None
     if args.draft:
         from .draft import make_drafter
-        drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens,
-                               skip=args.draft_layers, batch_invariant=args.batch_invariant)
+        target = lm.model
+        if target is None and args.draft in ("layer-skip", "block"):   # under TP no process holds the whole target
+            from .engine.registry import load
+            target = load(args.model, args.dtype, quant=args.quant).model
+        drafter = make_drafter(args.draft, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
+                               skip=args.draft_layers, batch_invariant=args.batch_invariant, device=args.device,
+                               checkpoint=args.draft_checkpoint, quant=args.draft_quant)
     tok = lm.tokenizer
     prompt = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -81,7 +115,9 @@ def cmd_generate(args) -> int:
         sys.stdout.write(stream.push(toks))
         sys.stdout.flush()
 
-    print(f"[{lm.name}: {lm.cfg.arch}, {lm.cfg.n_layers} layers, {engine.dtype}, loaded in {lm.load_seconds:.1f}s"
+    tp = f", TP{args.tp}" if args.tp > 1 else ""
+    tp += f", {args.quant}" if args.quant != "none" else ""
+    print(f"[{lm.name}: {lm.cfg.arch}, {lm.cfg.n_layers} layers, {engine.dtype}{tp}, loaded in {lm.load_seconds:.1f}s"
           + (f"; draft {args.draft}, gamma {args.gamma}, {args.verify} verify" if drafter else "; target-only") + "]",
           file=sys.stderr)
     trace = open(args.trace, "w") if args.trace else None

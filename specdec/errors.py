@@ -27,3 +27,8 @@ class KVPoolExhausted(SpecdecError):
         self.needed, self.free = needed, free
         super().__init__(f"KV pool exhausted: need {needed} more pages of {page_size} tokens, {free} free",
                          remedy="wait for running requests to finish, or start with a larger --kv-tokens")
+
+
+class BackendDead(SpecdecError):
+    """The model backend as a whole cannot run any more (a tensor-parallel worker died or hung). Not a request's
+    fault: the server stops taking work, ends in-flight requests with a retryable error and exits for a restart."""

@@ -10,11 +10,13 @@ import logging
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 log = logging.getLogger("specdec.target")
+BACKEND_DEAD_LINGER_S = 2.0
 
 
 def env(name: str, default=None):
@@ -35,6 +37,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=env("MODEL", "smollm2-135m"), help="target model preset or path")
     ap.add_argument("--dtype", default=env("DTYPE"), help="bf16 | fp32 | fp64 (default: bf16; fp64 for tiny-*)")
     ap.add_argument("--kv-tokens", type=int, default=int(env("KV_TOKENS", 32768)))
+    ap.add_argument("--quant", default=env("QUANT", "none"), choices=["none", "int8", "int4"],
+                    help="weight-only quantized linears (engine/quant.py), cached like the converted weights "
+                         "[SPECDEC_QUANT]")
+    ap.add_argument("--tp", type=int, default=int(env("TP", 1)),
+                    help="tensor-parallel ranks: this process is rank 0 and starts ranks 1..N-1 [SPECDEC_TP]")
+    ap.add_argument("--backend", default=env("BACKEND", "embedded"), choices=["embedded", "sglang"],
+                    help="embedded: this process runs --model; sglang: an SGLang server at --sglang-url runs it (one "
+                         "batched top-K scoring call per step; --model gives the tokenizer and config) [SPECDEC_BACKEND]")
+    ap.add_argument("--sglang-url", default=env("SGLANG_URL", ""),
+                    help="the SGLang server for --backend sglang, e.g. http://sglang:30000 [SPECDEC_SGLANG_URL]")
+    ap.add_argument("--sglang-top-k", type=int, default=int(env("SGLANG_TOP_K", 20)),
+                    help="log-probabilities asked per row; rows the top-K does not certify are asked again with more")
+    ap.add_argument("--sglang-timeout-s", type=float, default=float(env("SGLANG_TIMEOUT_S", 60)))
+    ap.add_argument("--device", default=env("DEVICE", "cpu"),
+                    help="cpu | cuda | cuda:N (with --tp, rank r runs on cuda:N+r) [SPECDEC_DEVICE]")
     ap.add_argument("--draft", default=env("DRAFT_ADDR", ""),
                     help="draft server host:port; 'ngram' drafts in process; empty = no speculation")
     ap.add_argument("--draft-name", default=env("DRAFT_NAME", ""), help="the draft model's name, for the records")
@@ -72,12 +89,29 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-async def serve(args) -> None:
+async def serve(args) -> int:
     import torch
+
+    from specdec.engine.backend import open_backend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.backend == "sglang":
+        from specdec.engine.sglang_backend import open_sglang_for_server
+        lm = open_sglang_for_server(args)
+    else:
+        lm = open_backend(args.model, tp=args.tp, dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens,
+                          batch_invariant=args.batch_invariant, quant=args.quant)
+    engine = lm.backend
+    try:
+        return await _serve(args, lm, engine)
+    finally:
+        engine.close()
+
+
+async def _serve(args, lm, engine) -> int:
     import uvicorn
 
-    from specdec.engine.engine import Engine
-    from specdec.engine.registry import load
     from specdec.speculative.generator import TraceWriter
     from specdec.state import open_store
 
@@ -88,10 +122,6 @@ async def serve(args) -> None:
     from .scheduler import Scheduler, SchedulerConfig
     from .service import TargetService
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    lm = load(args.model, args.dtype)
-    engine = Engine(lm.model, kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant)
     drafter, draft_name = None, args.draft_name or args.draft or "none"
     if args.draft == "ngram":
         from specdec.draft.ngram import NgramDrafter
@@ -109,7 +139,11 @@ async def serve(args) -> None:
         cfg.instance_id = args.instance_id
     sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace)
     svc = TargetService(engine, sched, store, lm.tokenizer, model_name=lm.name, draft_name=draft_name,
-                        gamma=args.gamma, mode=args.acceptance, metrics=metrics)
+                        gamma=args.gamma, mode=args.acceptance, metrics=metrics,
+                        **({"caps": engine.caps} if hasattr(engine, "caps") else {}))   # what this backend honours
+    if args.backend == "sglang":
+        from specdec.engine.sglang_backend import register_metrics
+        register_metrics(metrics.registry, engine)
     keys = frozenset(k for k in args.api_keys.split(",") if k)
     app = create_app(svc, metrics, keys, max_body_bytes=int(args.max_body_mb * (1 << 20)))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -121,26 +155,44 @@ async def serve(args) -> None:
         await grpc_server.start()
         await set_health(health, True)
     sched.start()
-    print(f"target server: {lm.name} ({engine.dtype}) REST http://{args.host}:{args.port} "
+    # The backend can go down as a whole (a tensor-parallel rank died or hung): the scheduler ends every request with a
+    # retryable error (their committed tokens are in the store), then we stop, exiting non-zero for a restart.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    exit_code = 0
+
+    def backend_dead(reason: str) -> None:
+        nonlocal exit_code
+        log.error("model backend down (%s): shutting down for a restart in %.0f s", reason, BACKEND_DEAD_LINGER_S)
+        exit_code = 3
+        server.config.timeout_graceful_shutdown = 1    # the error events are out; do not wait on idle clients
+        # /health answers 503 meanwhile, so a supervisor's or load balancer's probe sees why before the port closes
+        loop.call_later(BACKEND_DEAD_LINGER_S, stop.set)
+    sched.on_backend_dead = backend_dead
+    if hasattr(engine, "on_dead"):
+        engine.on_dead.append(lambda reason: sched.wake())   # from its watch thread: the loop notices within a step
+    tp = f", TP{args.tp}" if args.tp > 1 else ""
+    print(f"target server: {lm.name} ({engine.dtype}{tp}) REST http://{args.host}:{args.port} "
           f"gRPC {args.host}:{args.grpc_port or 'off'}; draft {draft_name}; state store "
           f"{'redis ' + args.redis_url if args.redis_url else 'in-memory (embedded; no Redis URL set)'}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     rest_task = asyncio.create_task(server.serve())
     await stop.wait()
+    t_stop = time.monotonic()
     if health:
         await set_health(health, False)
     server.should_exit = True
     if grpc_server:
-        await grpc_server.stop(grace=5)
+        await grpc_server.stop(grace=1 if exit_code else 5)
     await rest_task
     await sched.stop()
     await store.close()
     if trace:
         trace.f.close()
+    log.info("stopped in %.2f s", time.monotonic() - t_stop)
+    return exit_code
 
 
 def main(argv=None) -> int:
@@ -148,11 +200,18 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from specdec.errors import SpecdecError
     try:
-        asyncio.run(serve(args))
+        rc = asyncio.run(serve(args))
+        if rc:
+            # The backend died and a supervisor waits to restart us: everything is closed and flushed, so skip the
+            # interpreter's teardown of torch (seconds on a busy machine).
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
     except SpecdecError as e:
         print(f"target_service: error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

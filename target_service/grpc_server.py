@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specdec import wire
-from specdec.errors import InvalidRequest, SpecdecError
+from specdec.errors import BackendDead, InvalidRequest, SpecdecError
 from specdec.speculative.sampling import SamplingParams
 from specdec.state import StoreUnavailable
 from specdec.v1 import specdec_pb2 as pb
@@ -146,6 +146,8 @@ class TargetServicer(pbg.TargetServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"server busy: {e}")
         except StoreUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, clip(f"request state store unavailable: {e}"))
+        except BackendDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, clip(str(e)))
         except NotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, clip(f"request_id: {e}"))
         except Forbidden as e:

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.errors import InvalidRequest, SpecdecError
+from specdec.errors import BackendDead, InvalidRequest, SpecdecError
 from specdec.speculative.sampling import SamplingParams
 from specdec.speculative.validation import EMBEDDED, MIN_TEMPERATURE, validate_request
 from specdec.state import StoreUnavailable
@@ -400,6 +400,8 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
         except StoreUnavailable as e:
             return error(503, f"request state store unavailable: {e}", kind="service_unavailable",
                          headers={"Retry-After": "2"})
+        except BackendDead as e:
+            return error(503, str(e), kind="service_unavailable", headers={"Retry-After": "5"})
         except NotFound as e:
             return error(404, f"request_id: {e}", "request_id", kind="not_found_error")
         except Forbidden as e:
@@ -531,8 +533,13 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
 
     @app.get("/health")
     async def health():
-        ok = await svc.store.ping()
-        body = {"status": "ok" if ok else "degraded", "store": "ok" if ok else "unavailable",
+        store_ok = await svc.store.ping()
+        backend_ok = svc.engine.healthy() and not svc.scheduler.backend_dead
+        if backend_ok and hasattr(svc.engine, "reachable"):   # a remote backend (SGLang) can be down for a while
+            backend_ok = await asyncio.to_thread(svc.engine.reachable)
+        ok = store_ok and backend_ok
+        body = {"status": "ok" if ok else "degraded", "store": "ok" if store_ok else "unavailable",
+                "backend": "ok" if backend_ok else "down",
                 "running": len(svc.scheduler.running), "waiting": len(svc.scheduler.waiting)}
         return JSONResponse(body, 200 if ok else 503)
 

@@ -30,7 +30,8 @@ import logging
 import time
 import uuid
 
-from specdec.engine.engine import Engine
+from specdec.engine.backend import Backend
+from specdec.errors import BackendDead
 from specdec.engine.tokenizer import StreamDecoder
 from specdec.speculative.propose import Drafter
 from specdec.speculative.step import SpecRequest, StepInfo, plan_full, speculative_step
@@ -130,7 +131,7 @@ def _merge(infos: list[StepInfo]) -> StepInfo:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, drafter: Drafter | None, store: StateStore, tokenizer,
+    def __init__(self, engine: Backend, drafter: Drafter | None, store: StateStore, tokenizer,
                  cfg: SchedulerConfig = SchedulerConfig(), metrics=None, trace=None):
         self.engine, self.drafter, self.store, self.tok = engine, drafter, store, tokenizer
         self.cfg, self.metrics, self.trace = cfg, metrics, trace
@@ -142,6 +143,8 @@ class Scheduler:
         self._pending: _Pending | None = None
         self._background: set[asyncio.Task] = set()   # fire-and-forget store writes (held so they are not collected)
         self.steps = 0
+        self.on_backend_dead = None                # called once (with the reason) when the backend cannot run
+        self.backend_dead: str | None = None
         self._gauges()
 
     # -- admission --------------------------------------------------------------------------------------------------
@@ -161,7 +164,9 @@ class Scheduler:
         return job
 
     def check_capacity(self) -> None:
-        """Raise QueueFull now if `submit` would (callers check before writing any state)."""
+        """Raise QueueFull (or BackendDead) now if `submit` would (callers check before writing any state)."""
+        if self.backend_dead or not self.engine.healthy():
+            raise BackendDead(f"the model backend of this server is down ({self.backend_dead or 'restarting'})")
         if len(self.waiting) >= self.cfg.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are queued (limit {self.cfg.max_queue})")
 
@@ -175,8 +180,7 @@ class Scheduler:
 
     def _kv_budget_left(self) -> int:
         used = sum(self._kv_need(j.req) for j in self.running)
-        return self.engine.kv.num_pages * self.engine.kv.page_size - used - self.engine.kv.page_size * len(
-            self.running)
+        return self.engine.kv_capacity_tokens - used - self.engine.kv_page_size * len(self.running)
 
     async def _admit(self) -> None:
         admitted = []
@@ -190,8 +194,12 @@ class Scheduler:
             admitted.append(self.waiting.pop(0))
         if not admitted:
             return
-        async with self.engine_lock:
-            await asyncio.to_thread(self._prefill, admitted)
+        try:
+            async with self.engine_lock:
+                await asyncio.to_thread(self._prefill, admitted)
+        except BackendDead:
+            self.running += admitted           # so _backend_down ends them with the others
+            raise
         self.running += admitted
         self._gauges()
 
@@ -221,6 +229,8 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             try:
+                if not self.engine.healthy():
+                    raise BackendDead("the model backend is down")
                 await self._reap()
                 await self._admit()
                 if not self.running:
@@ -233,6 +243,9 @@ class Scheduler:
                 await self._step()
             except asyncio.CancelledError:
                 raise
+            except BackendDead as e:
+                await self._backend_down(str(e))
+                return
             except Exception:  # noqa: BLE001 - a bug in one step must not kill the server; fail the batch loudly
                 log.exception("scheduler step failed; failing the running requests")
                 failed, self.running, self._pending = self.running, [], None
@@ -278,11 +291,17 @@ class Scheduler:
         snaps = [_Snapshot.take(r) for r in reqs]
         try:
             return speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=plan_full), [], False
+        except BackendDead:        # no rerun can help: the whole backend is gone
+            self._undo(reqs, snaps)
+            raise
         except Exception:  # noqa: BLE001 - whatever broke (a drafter's answer, a bug), plain decoding is the fallback
             log.exception("speculative step failed (%d requests); rerunning it as plain decoding", len(reqs))
         self._undo(reqs, snaps)
         try:
             return self._plain_step(reqs), [], True
+        except BackendDead:
+            self._undo(reqs, snaps)
+            raise
         except Exception:  # noqa: BLE001
             log.exception("plain-decoding rerun failed too; stepping each of the %d requests alone", len(reqs))
         self._undo(reqs, snaps)
@@ -290,6 +309,9 @@ class Scheduler:
         for k, (r, snap) in enumerate(zip(reqs, snaps)):
             try:
                 infos.append(self._plain_step([r]))
+            except BackendDead:
+                self._undo(reqs, snaps)            # nothing of this step is committed
+                raise
             except Exception:  # noqa: BLE001
                 log.exception("request %s cannot proceed; ending it with a retryable error", r.rid)
                 self._undo([r], [snap])
@@ -310,7 +332,7 @@ class Scheduler:
         for r, snap in zip(reqs, snaps):
             snap.restore(r)
             try:
-                if r.seq >= 0 and r.seq in self.engine.kv:
+                if r.seq >= 0 and self.engine.has_sequence(r.seq):
                     self.engine.truncate(r.seq, min(self.engine.length(r.seq), r.committed_len - 1))
             except Exception:  # noqa: BLE001 - its next step will show whether it can proceed
                 log.exception("could not roll back the KV of %s", r.rid)
@@ -329,6 +351,38 @@ class Scheduler:
                 self.metrics.step_failed_requests.labels(**self.metrics.labels).inc()
         await self._release(jobs)
         self._gauges()
+
+    async def _backend_down(self, reason: str) -> None:
+        """The backend cannot run any more (a tensor-parallel rank died or hung): the step in flight was undone, every
+        earlier step is committed, so each request ends with a retryable error and resumes by id elsewhere or after a
+        restart. The scheduler stops here; `on_backend_dead` tells the server to go (503, exit non-zero)."""
+        log.error("model backend down (%s): ending %d running and %d queued requests with a retryable error",
+                  reason, len(self.running), len(self.waiting))
+        self.backend_dead = reason
+        if self._pending is not None:          # a commit held by a store outage: one last try
+            try:
+                await self.store.commit(self._pending.commits)
+            except Exception:  # noqa: BLE001 - the store keeps what it has; resume reconciles by committed length
+                pass
+            self._pending = None
+        jobs, self.running, self.waiting = self.running + self.waiting, [], []
+        for j in jobs:
+            j.req.finish_reason = "error"
+            j.events.put_nowait(Event([], "", error=f"the model backend of this server is down ({reason}); the "
+                                      f"committed tokens of request {j.rid} are kept: retry with resume=true and "
+                                      f"request_id={j.rid}", retryable=True))
+            if self.metrics:
+                self.metrics.requests.labels(finished_reason="error", **self.metrics.labels).inc()
+        await self._release(jobs)
+        self._gauges()
+        if self.on_backend_dead:
+            self.on_backend_dead(reason)
+
+    def wake(self) -> None:
+        """Thread-safe nudge (e.g. from a backend's watch thread) so the loop looks at the backend's health."""
+        loop = self._task.get_loop() if self._task else None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake.set)
 
     async def _commit(self, p: _Pending) -> None:
         """Commit a step, then stream it. Store down: keep the step pending (retried next iteration, after a
@@ -459,7 +513,7 @@ class Scheduler:
             return
         async with self.engine_lock:
             for j in jobs:
-                if j.req.seq >= 0 and j.req.seq in self.engine.kv:
+                if j.req.seq >= 0 and self.engine.has_sequence(j.req.seq):
                     self.engine.release(j.req.seq)
                 j.req.seq = -1
         if self.drafter is not None:
@@ -477,4 +531,4 @@ class Scheduler:
             self.metrics.running.set(len(self.running))
             self.metrics.waiting.set(len(self.waiting))
             if hasattr(self.metrics, "kv_free_tokens"):
-                self.metrics.kv_free_tokens.set(self.engine.kv.free_tokens)
+                self.metrics.kv_free_tokens.set(self.engine.kv_free_tokens)

@@ -74,7 +74,7 @@ def cmd_bench(args) -> int:
     items = load_prompts(args.prompts, args.n)
     gammas = [int(g) for g in str(args.gamma).split(",")]
     results: dict[str, dict] = {}
-    peer = None
+    peer, llama = None, None
     if args.url:
         from .run import run_rest
         base = summarize(*_rest(run_rest, args, items, params, None, "baseline"), gamma=1)
@@ -87,15 +87,19 @@ def cmd_bench(args) -> int:
         import torch
 
         from ..draft import make_drafter
-        from ..engine.engine import Engine
-        from ..engine.registry import load
+        from ..engine.backend import open_backend
         from .run import run_inprocess
         torch.set_num_threads(args.threads or torch.get_num_threads())
-        lm = load(args.target, args.dtype)
-        engine = Engine(lm.model, kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant)
+        lm = open_backend(args.target, tp=args.tp, dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens,
+                          batch_invariant=args.batch_invariant, quant=args.quant)
+        engine = lm.backend
         prompts = [encode(lm.tokenizer, it) for it in items]
-        drafter = make_drafter(args.draft, lm.model, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
-                               batch_invariant=args.batch_invariant)
+        target = lm.model
+        if target is None and (args.draft == "layer-skip" or args.peer_hf):   # TP: no process holds it whole
+            from ..engine.registry import load
+            target = load(args.target, args.dtype, quant=args.quant).model
+        drafter = make_drafter(args.draft, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
+                               batch_invariant=args.batch_invariant, device=args.device, quant=args.draft_quant)
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                       mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
@@ -115,9 +119,22 @@ def cmd_bench(args) -> int:
             from ..draft.model import ModelDrafter
             if not isinstance(drafter, ModelDrafter):
                 raise SystemExit("--peer-hf needs a model drafter (a model name or layer-skip)")
-            hf = HFAssisted(lm.model, drafter.engine.model)
+            hf = HFAssisted(target, drafter.engine.model)
             hf.run(prompts[:1], 4)     # warm-up
             hf.tokens, hf.wall = 0, 0.0
+        llamas = {}
+        if args.peer_llamacpp:   # same GGUF, same prompt tokens, same token counts (EOS ignored on both sides)
+            from .llamacpp import LlamaCpp, gguf_path_of
+            if not args.ignore_eos or args.temperature > 0 or args.concurrency != 1:
+                raise SystemExit("--peer-llamacpp compares greedy batch-1 runs of equal length: "
+                                 "add --ignore-eos, use --temperature 0 and --concurrency 1")
+            path = gguf_path_of(args.target)
+            threads = args.threads or torch.get_num_threads()
+            llamas = {"llama.cpp decode": LlamaCpp(path, threads),
+                      f"llama.cpp prompt-lookup {gammas[0]}": LlamaCpp(path, threads, lookup=gammas[0])}
+            for p in llamas.values():
+                p.run(prompts[:1], 4)     # warm-up
+                p.reset_counts()
         C = args.concurrency
         for b in tqdm(range(0, len(prompts), C), desc="batches", leave=False):
             for name, d, g, plan, lay in configs:
@@ -127,6 +144,8 @@ def cmd_bench(args) -> int:
                 acc[name] = (r0 + recs, s0 + steps, w0 + wall)
             if hf:
                 hf.run(prompts[b:b + C], args.max_tokens)
+            for p in llamas.values():
+                p.run(prompts[b:b + C], args.max_tokens)
         base = summarize(*acc[configs[0][0]], gamma=1)
         results[configs[0][0]] = base
         for name, _, g, _, _ in configs[1:]:
@@ -135,13 +154,21 @@ def cmd_bench(args) -> int:
             peer = hf.result()
             best = max(v.get("tokens_per_s", 0) for k, v in results.items() if "baseline" not in k)
             peer["ours_over_hf"] = best / peer["tokens_per_s"]
+        if llamas:
+            llama = {k: p.result() for k, p in llamas.items()}
     print(table(list(results.items())))
+    if llama:
+        base_tps = results["baseline (speculation off)"]["tokens_per_s"]
+        best = max(v["tokens_per_s"] for v in results.values())
+        for k, v in llama.items():
+            print(f"{k:<28}{v['tokens_per_s']:>14.1f}   ours baseline / it = {base_tps / v['tokens_per_s']:.2f}x, "
+                  f"ours best / it = {best / v['tokens_per_s']:.2f}x")
     if peer:
         print(f"transformers assisted generation: {peer['tokens_per_s']:.1f} tokens/s; "
               f"specdec best / transformers = {peer['ours_over_hf']:.2f}x")
     out = {"args": {k: v for k, v in vars(args).items() if k != "func"},
            "runs": {k: {f: x for f, x in v.items() if not f.startswith("_")} for k, v in results.items()},
-           "hf_assisted": peer}
+           "hf_assisted": peer, "llamacpp": llama}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
@@ -196,8 +223,11 @@ def add_parsers(sub) -> None:
     b.add_argument("--draft-layers", default=None)
     b.add_argument("--dtype", default=None)
     b.add_argument("--kv-tokens", type=int, default=65536)
-    from ..cli import add_batch_invariant_arg
+    from ..cli import add_batch_invariant_arg, add_device_args, add_quant_arg
     add_batch_invariant_arg(b)             # in process only; with --url the server's setting applies
+    add_device_args(b)
+    add_quant_arg(b)
+    add_quant_arg(b, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
     b.add_argument("--prompts", default="chat", help="humaneval | chat | FILE.jsonl")
     b.add_argument("-n", type=int, default=16, help="prompts (cycles through the set)")
     b.add_argument("--max-tokens", type=int, default=64)
@@ -213,6 +243,9 @@ def add_parsers(sub) -> None:
     b.add_argument("--seed", type=int, default=None)
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--peer-hf", action="store_true", help="also run transformers assisted generation")
+    b.add_argument("--peer-llamacpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python, `make peers`) on the target's GGUF, interleaved: plain "
+                        "decoding and its prompt-lookup speculation (needs --ignore-eos, greedy, concurrency 1)")
     b.add_argument("--plot", default=None, help="directory for PNG plots")
     b.add_argument("--out", default="runs/bench.json")
     b.set_defaults(func=cmd_bench)

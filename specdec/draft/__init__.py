@@ -6,17 +6,24 @@ from ..speculative.propose import Drafter
 
 
 def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 16384, skip: str | None = None,
-                 batch_invariant: bool = True) -> Drafter:
+                 batch_invariant: bool = True, device: str = "cpu", checkpoint: str | None = None,
+                 quant: str | None = None) -> Drafter:
     """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), or any model name/path.
-    batch_invariant: the model drafters' engine option (see Engine)."""
+    batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs."""
     if name == "ngram":
         from .ngram import NgramDrafter
         return NgramDrafter()
+    if name == "block":   # trained drafter on the target's hidden states (block or eagle kind, from its config)
+        from .block import BlockDrafter, load_checkpoint
+        if target_model is None or checkpoint is None:
+            raise ValueError("block needs the target model and a checkpoint (--draft-checkpoint)")
+        return BlockDrafter(load_checkpoint(checkpoint, target_model), target_model, kv_tokens=kv_tokens)
     from .model import ModelDrafter, layer_skip
     if name == "layer-skip":
         if target_model is None:
             raise ValueError("layer-skip needs the target model")
-        return ModelDrafter(layer_skip(target_model, skip), kv_tokens=kv_tokens, name="layer-skip",
+        return ModelDrafter(layer_skip(target_model, skip).to(device), kv_tokens=kv_tokens, name="layer-skip",
                             batch_invariant=batch_invariant)
     from ..engine.registry import load
-    return ModelDrafter(load(name, dtype).model, kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)
+    # quant: a draft model's own --draft-quant (layer-skip and block run on the target's weights as loaded)
+    return ModelDrafter(load(name, dtype, quant=quant).model.to(device), kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)

@@ -1,4 +1,5 @@
-"""The engine: a model, its KV pool, and the packed ragged forward over many sequences.
+"""The engine: a model, its KV pool, and the packed ragged forward over many sequences (the embedded
+implementation of engine.backend.Backend).
 
     eng = Engine(model, kv_tokens=8192)
     a, b = eng.new_sequence(), eng.new_sequence()
@@ -21,6 +22,7 @@ from .attention import plan_groups, probe_linear_invariance
 from .kv_cache import KVPool
 from .layout import Layout, SeqInput, pack
 from .model import Transformer, post_attention, pre_attention, tiled_linear
+from .quant import QLinear, probe_invariance
 
 
 @dataclasses.dataclass
@@ -35,41 +37,11 @@ class ForwardOutput:
         return self.logits[self.cu_logits[i]:self.cu_logits[i + 1]]
 
 
-class Engine:
-    """`batch_invariant` (default on): the logits of a row and the KV it writes are bitwise the same whatever else
-    is in the forward (row count, other sequences, layout, chunk size, verify vs decode), so a request's output never
-    depends on its neighbours. Attention runs on fixed key blocks and query tiles (engine/attention.py); linears run
-    as they are where a start-up probe finds them row-invariant (this CPU, bf16 and float32), else on fixed row tiles.
-    Off: one SDPA call per sequence, a little faster, and a row may round differently in a pack than alone.
-
-    `compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
-    the dense block kernels compiled (torch.compile, one fixed-shape graph per tier, shared by all layers); ragged
-    layouts and other row counts run eager. The CPU twin of CUDA-graph capture on fixed batch tiers. A compiled graph
-    rounds differently from the eager kernels, so tiers need batch_invariant=False."""
-
-    def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16,
-                 compile_tiers: tuple[int, ...] = (), batch_invariant: bool = True):
-        if batch_invariant and compile_tiers:
-            raise InvalidRequest("compiled tiers round differently from eager kernels", field="compile_tiers",
-                                 remedy="pass batch_invariant=False to use compile tiers")
-        self.model = model.eval()
-        self.batch_invariant = batch_invariant
-        self.compile_tiers = frozenset(compile_tiers)
-        self._compiled = None
-        self._eager = None
-        if batch_invariant:
-            w = [model.layers[0].attn.wqkv.weight, model.layers[0].attn.wo.weight,
-                 model.layers[0].mlp.w_gate_up.weight, model.layers[0].mlp.w_down.weight]
-            if not probe_linear_invariance(w):
-                self._eager = (functools.partial(pre_attention, linear=tiled_linear),
-                               functools.partial(post_attention, linear=tiled_linear), tiled_linear)
-        self.path_counts = {"compiled": 0, "eager": 0}
-        self.cfg = model.cfg
-        self.dtype = model.embed.weight.dtype
-        self.device = model.embed.weight.device
-        self.kv = KVPool(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.hd, kv_tokens, page_size=page_size,
-                         dtype=self.dtype, device=self.device)
-        self.rows_processed = 0      # packed rows through the model so far (what compact verify saves)
+class PagedSequences:
+    """The Backend's sequence bookkeeping over a KVPool `self.kv` (and `self.cfg`), shared by Engine and TPEngine (whose
+    rank 0 keeps the pages of all ranks)."""
+    cfg: object
+    kv: KVPool
 
     @property
     def vocab_size(self) -> int:
@@ -87,12 +59,75 @@ class Engine:
     def truncate(self, seq: int, n: int) -> None:
         self.kv.truncate(seq, n)
 
+    def has_sequence(self, seq: int) -> bool:
+        return seq in self.kv
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_pages * self.kv.page_size
+
+    @property
+    def kv_free_tokens(self) -> int:
+        return self.kv.free_tokens
+
+    @property
+    def kv_page_size(self) -> int:
+        return self.kv.page_size
+
+
+class Engine(PagedSequences):
+    """`batch_invariant` (default on): the logits of a row and the KV it writes are bitwise the same whatever else
+    is in the forward (row count, other sequences, layout, chunk size, verify vs decode), so a request's output never
+    depends on its neighbours. Attention runs on fixed key blocks and query tiles (engine/attention.py); linears run
+    as they are where a start-up probe finds them row-invariant (this CPU, bf16 and float32), else on fixed row tiles.
+    Off: one SDPA call per sequence, a little faster, and a row may round differently in a pack than alone.
+
+    `compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
+    the dense block kernels compiled (torch.compile, one fixed-shape graph per tier, shared by all layers); ragged
+    layouts and other row counts run eager. The CPU twin of CUDA-graph capture on fixed batch tiers. A compiled graph
+    rounds differently from the eager kernels, so tiers need batch_invariant=False."""
+
+    def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16,
+                 compile_tiers: tuple[int, ...] = (), batch_invariant: bool = True):
+        if compile_tiers and any(isinstance(m, QLinear) for m in model.modules()):
+            raise InvalidRequest("compiled tiers are not implemented for quantized models", field="compile_tiers",
+                                 remedy="drop compile tiers or use --quant none")
+        if batch_invariant and compile_tiers:
+            raise InvalidRequest("compiled tiers round differently from eager kernels", field="compile_tiers",
+                                 remedy="pass batch_invariant=False to use compile tiers")
+        self.model = model.eval()
+        self.batch_invariant = batch_invariant
+        self.compile_tiers = frozenset(compile_tiers)
+        self._compiled = None
+        self._eager = None
+        if batch_invariant:
+            w = [model.layers[0].attn.wqkv.weight, model.layers[0].attn.wo.weight,
+                 model.layers[0].mlp.w_gate_up.weight, model.layers[0].mlp.w_down.weight]
+            quantized = any(isinstance(x, QLinear) for x in w)   # packed kernels: probed through their dispatch
+            if not (probe_invariance(w) if quantized else probe_linear_invariance(w)):
+                self._eager = (functools.partial(pre_attention, linear=tiled_linear),
+                               functools.partial(post_attention, linear=tiled_linear), tiled_linear)
+        self.path_counts = {"compiled": 0, "eager": 0}
+        self.cfg = model.cfg
+        self.heads_per_kv = model.cfg.n_heads // model.cfg.n_kv_heads   # of this model's (shard's) own heads
+        self.dtype = model.embed.weight.dtype
+        self.device = model.embed.weight.device
+        self.kv = KVPool(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.hd, kv_tokens, page_size=page_size,
+                         dtype=self.dtype, device=self.device)
+        self.rows_processed = 0      # packed rows through the model so far (what compact verify saves)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
     @torch.inference_mode()
     def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
         self.rows_processed += layout.tokens.numel()
         if self.batch_invariant:
-            layout.attn_groups = plan_groups(layout, self.dtype, self.device, self.cfg.n_heads // self.cfg.n_kv_heads)
+            layout.attn_groups = plan_groups(layout, self.dtype, self.device, self.heads_per_kv)
         kernels = self.kernels_for(layout)
         self.path_counts["compiled" if kernels else "eager"] += 1
         kernels = kernels or self._eager

@@ -120,22 +120,26 @@ def save_hf_dir(model: Transformer, path: str | os.PathLike) -> Path:
 
 
 # -- HF directories -----------------------------------------------------------------------------------------------
-def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype) -> Transformer:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    path = Path(path)
+def hf_dir_config(path: Path) -> ModelConfig:
     try:
         c = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelError(f"cannot read {path / 'config.json'}: {e}", field="model",
                          remedy="point --model at a Hugging Face model directory") from None
     _check_arch(c.get("model_type", "?"), path)
-    cfg = ModelConfig(
+    return ModelConfig(
         arch=c["model_type"], vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
         n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
         ffn_dim=c["intermediate_size"], rope_theta=c.get("rope_theta", 10000.0), norm_eps=c.get("rms_norm_eps", 1e-6),
         max_seq_len=c.get("max_position_embeddings", 2048), tie_embeddings=c.get("tie_word_embeddings", False),
         qkv_bias=c["model_type"] == "qwen2" or c.get("attention_bias", False), head_dim=c.get("head_dim"))
+
+
+def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype) -> Transformer:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    path = Path(path)
+    cfg = hf_dir_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelError(f"no *.safetensors weights in {path}", field="model")

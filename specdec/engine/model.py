@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import attend_fast, attend_invariant
+from .quant import linear as qlinear   # F.linear, or the packed kernel for a quantized weight (engine/quant.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Attention(nn.Module):
 # The dense parts of a block as pure functions of (activations, weights): one compiled graph per row-count tier
 # serves every layer (weights are arguments, not attributes the compiler would guard on).
 def pre_attention(x, norm_w, eps: float, wqkv, bqkv, cos, sin, n_heads: int, n_kv_heads: int, hd: int,
-                  linear=F.linear):
+                  linear=qlinear):
     T = x.shape[0]
     q, k, v = linear(rms_norm(x, norm_w, eps), wqkv, bqkv).split(
         [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=-1)
@@ -71,10 +72,12 @@ def pre_attention(x, norm_w, eps: float, wqkv, bqkv, cos, sin, n_heads: int, n_k
             v.view(T, n_kv_heads, hd))
 
 
-def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=F.linear):
-    x = x + linear(attn, wo)
+def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=qlinear, reduce=None):
+    """`reduce`: tensor parallelism's all-reduce of the row-parallel outputs (wo, w_down); None on one device."""
+    reduce = reduce or (lambda t: t)
+    x = x + reduce(linear(attn, wo))
     gate, up = linear(rms_norm(x, norm_w, eps), w_gate_up).chunk(2, dim=-1)
-    return x + linear(F.silu(gate) * up, w_down)
+    return x + reduce(linear(F.silu(gate) * up, w_down))
 
 
 def tiled_linear(x, w, b=None, tile: int = 16):
@@ -84,10 +87,10 @@ def tiled_linear(x, w, b=None, tile: int = 16):
     T = x.shape[0]
     Tp = -(-T // tile) * tile
     if Tp == 0:
-        return F.linear(x, w, b)
+        return qlinear(x, w, b)
     xp = x.new_zeros(Tp, x.shape[1])
     xp[:T] = x
-    return torch.cat([F.linear(xp[i:i + tile], w, b) for i in range(0, Tp, tile)])[:T]
+    return torch.cat([qlinear(xp[i:i + tile], w, b) for i in range(0, Tp, tile)])[:T]
 
 
 def rms_norm(x, w, eps: float):
@@ -157,7 +160,7 @@ class Transformer(nn.Module):
         """tokens [T] (packed rows of all sequences) -> (logits [R, V] for `logit_rows` (None: all rows),
         {layer: hidden [T, dim]} for the requested layers; layer i is the output of block i, -1 the embeddings).
         `kernels`: (pre_attention, post_attention, linear) to use, e.g. compiled or row-tiled ones (None: eager)."""
-        pre, post, linear = kernels or (pre_attention, post_attention, F.linear)
+        pre, post, linear = kernels or (pre_attention, post_attention, qlinear)
         dtype = self.embed.weight.dtype
         cos = self.rope_cos[layout.positions].to(dtype)
         sin = self.rope_sin[layout.positions].to(dtype)

@@ -16,6 +16,9 @@ from . import assets
 from .assets import cache_dir
 from .loader import load_gguf, load_hf_dir, save_hf_dir, tiny
 from .model import ModelConfig, Transformer
+from .quant import check_mode as check_quant
+from .quant import CACHE_FORMAT as QUANT_FORMAT
+from .quant import load_quantized, quantize_model, save_quantized
 from .tokenizer import CharTokenizer, Tokenizer, load_tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -67,11 +70,13 @@ def parse_dtype(name: str | torch.dtype | None, default: torch.dtype) -> torch.d
         raise ModelError(f"unknown dtype {name!r}", field="dtype", remedy=f"use one of {', '.join(DTYPES)}") from None
 
 
-def load(name: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
-    """A preset name, a .gguf file, or an HF model directory. Real models default to bf16, tiny ones to float64."""
+def load(name: str, dtype: str | torch.dtype | None = None, quant: str | None = None) -> LoadedModel:
+    """A preset name, a .gguf file, or an HF model directory. Real models default to bf16, tiny ones to float64.
+    `quant`: none | int8 | int4 weight-only quantized linears (engine/quant.py); a GGUF's is cached."""
     t0 = time.perf_counter()
+    quant = check_quant(quant)
     if name in TINY:
-        model = TINY[name](parse_dtype(dtype, torch.float64))
+        model = quantize_model(TINY[name](parse_dtype(dtype, torch.float64)), quant)
         return LoadedModel(name, model, CharTokenizer(model.cfg.vocab_size), time.perf_counter() - t0)
     dt = parse_dtype(dtype, torch.bfloat16)
     if name in GGUF_PRESETS:
@@ -82,12 +87,20 @@ def load(name: str, dtype: str | torch.dtype | None = None) -> LoadedModel:
             raise ModelError(f"unknown model {name!r}: not a preset and no such file or directory", field="model",
                              remedy=f"use a preset ({', '.join(PRESETS)}), a .gguf file or an HF model directory")
     if path.is_dir():
-        model = load_hf_dir(path, dt)
+        model = quantize_model(load_hf_dir(path, dt), quant)
         tok = load_tokenizer(path)
     else:
-        model = _load_gguf_cached(path, dt)
+        model = _load_gguf_cached(path, dt) if quant == "none" else _load_quantized_cached(path, dt, quant)
         tok = load_tokenizer(path.parent, path.name)
     return LoadedModel(name, model, tok, time.perf_counter() - t0)
+
+
+def converted_dir(path: Path, dtype: torch.dtype) -> Path:
+    """Where `_load_gguf_cached` keeps a GGUF's dequantised weights (an HF directory; tensor-parallel ranks read
+    their shards from it)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{path.stem}-{key}"
 
 
 def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Transformer:
@@ -95,9 +108,7 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Transformer:
     as safetensors under the cache dir, keyed by file identity and dtype. SPECDEC_WEIGHT_CACHE=0 turns it off."""
     if os.environ.get("SPECDEC_WEIGHT_CACHE", "1") == "0":
         return load_gguf(path, dtype)
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{dtype}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "converted" / f"{path.stem}-{key}"
+    cached = converted_dir(path, dtype)
     if (cached / "model.safetensors").exists():
         return load_hf_dir(cached, dtype)
     model = load_gguf(path, dtype)
@@ -107,4 +118,30 @@ def _load_gguf_cached(path: Path, dtype: torch.dtype) -> Transformer:
         os.replace(tmp, cached)  # atomic: a concurrent loader sees the whole directory or none
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # a full or read-only cache only costs speed
+    return model
+
+
+def _load_quantized_cached(path: Path, dtype: torch.dtype, quant: str) -> Transformer:
+    """A GGUF quantized for the packed kernels (from the file's own blocks where it can), cached like the converted
+    weights: keyed by file identity, dtype, mode, cache format and torch version (the packed layout is torch's)."""
+    def build():
+        return quantize_model(_load_gguf_cached(path, dtype), quant, path)
+    if os.environ.get("SPECDEC_WEIGHT_CACHE", "1") == "0":
+        return build()
+    base = converted_dir(path, dtype)
+    key = hashlib.sha256(f"{base.name}:{quant}:{QUANT_FORMAT}:{torch.__version__}".encode()).hexdigest()[:8]
+    cached = cache_dir() / "quantized" / f"{base.name}-{quant}-{key}"
+    if (cached / "model.safetensors").exists():
+        try:
+            return load_quantized(cached)
+        except ModelError:
+            pass                                 # another format / torch: rebuild it below
+    model = build()
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    try:
+        save_quantized(model, tmp)
+        shutil.rmtree(cached, ignore_errors=True)
+        os.replace(tmp, cached)                  # atomic: a concurrent loader sees the whole directory or none
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)   # a full or read-only cache only costs speed
     return model

@@ -1,0 +1,139 @@
+"""Quantized execution vs bf16 vs llama.cpp on the same GGUF (not a test; issue 10's table).
+
+    .venv/bin/python benchmarks/quant_bench.py --model smollm2-135m --rounds 3
+    .venv/bin/python benchmarks/quant_bench.py --model qwen2.5-coder-1.5b --modes none,int4 --no-llamacpp
+
+Per engine: decode ms/token and verify ms for k new rows on a cached 128-token prefix (rolled back after each),
+128-token prefill tokens/s; rounds alternate engines so machine noise hits all alike. Quality: top-1 agreement and
+KL(bf16 || quantized) of next-token distributions over every position of a few prompts. --profile: where a decode
+step's milliseconds go (torch.profiler, per op). llama.cpp (if `make peers` installed it) runs the same file.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from engine_bench import timed  # benchmarks/ is on sys.path when this file runs as a script
+from specdec.engine.engine import Engine
+from specdec.engine.layout import SeqInput
+from specdec.engine.registry import load
+
+
+class Ours:
+    def __init__(self, model, prompt):
+        self.e = Engine(model, kv_tokens=4096)
+        self.s = self.e.new_sequence()
+        self.prompt, self.n = prompt, len(prompt)
+        self.e.forward([SeqInput(self.s, prompt, logits="none")])
+
+    def rows(self, k):
+        self.e.forward([SeqInput(self.s, list(range(100, 100 + k)), start=self.n, logits="all" if k > 1 else "last")])
+        self.e.truncate(self.s, self.n)
+
+    def prefill(self):
+        s = self.e.new_sequence()
+        self.e.forward([SeqInput(s, self.prompt, logits="last")])
+        self.e.release(s)
+
+
+class Llama:
+    def __init__(self, path, prompt, threads):
+        from llama_cpp import Llama as L
+        self.llm = L(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
+                     logits_all=True, verbose=False)
+        self.prompt, self.n = prompt, len(prompt)
+        self.llm.reset()
+        self.llm.eval(prompt)
+
+    def rows(self, k):
+        self.llm.n_tokens = self.n          # eval() drops the KV cache from n_tokens on, so this rolls back
+        self.llm.eval(list(range(100, 100 + k)))
+
+    def prefill(self):
+        self.llm.reset()
+        self.llm.eval(self.prompt)
+
+
+def quality(ref_model, models, prompts):
+    out = {}
+    with torch.inference_mode():
+        ref = [Engine(ref_model).score(p).float() for p in prompts]
+        for name, m in models.items():
+            e = Engine(m)
+            agree, kl, n = 0, 0.0, 0
+            for p, r in zip(prompts, ref):
+                q = e.score(p).float()
+                lr, lq = r.log_softmax(-1), q.log_softmax(-1)
+                agree += int((r.argmax(-1) == q.argmax(-1)).sum())
+                kl += float((lr.exp() * (lr - lq)).sum())
+                n += r.shape[0]
+            out[name] = (agree / n, kl / n)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--modes", default="none,int8,int4")
+    ap.add_argument("--rows", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llamacpp", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    modes, rows = a.modes.split(","), [int(r) for r in a.rows.split(",")]
+    lms = {m: load(a.model, "bf16", quant=m) for m in modes}
+    tok = lms[modes[0]].tokenizer
+    text = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n" * 12)
+    prompt = tok.encode(text)[:128]
+    engines = {f"ours {m}": Ours(lm.model, prompt) for m, lm in lms.items()}
+    if not a.no_llamacpp:
+        try:
+            from specdec.bench.llamacpp import gguf_path_of
+            engines["llama.cpp"] = Llama(gguf_path_of(a.model), prompt, a.threads)
+        except ImportError:
+            print("llama.cpp: llama-cpp-python not installed (make peers)")
+    res = {n: {k: [] for k in [*rows, "prefill"]} for n in engines}
+    for _ in range(a.rounds):
+        for n, e in engines.items():
+            for k in rows:
+                e.rows(k)                                            # warm
+                res[n][k].append(timed(lambda: e.rows(k), a.reps))
+            res[n]["prefill"].append(timed(e.prefill, max(2, a.reps // 4)))
+    print(f"{a.model}, {a.threads} threads, prefix {len(prompt)} tokens, torch {torch.__version__}; "
+          f"uptime: {open('/proc/loadavg').read().split()[:3]}")
+    print(f"{'engine':<12}" + "".join(f"{f'{k} rows ms':>11}" for k in rows) + f"{'decode tok/s':>13}{'prefill tok/s':>14}")
+    for n, r in res.items():
+        ms = {k: statistics.median(v) for k, v in r.items()}
+        print(f"{n:<12}" + "".join(f"{ms[k]:>11.2f}" for k in rows) + f"{1e3 / ms[1]:>13.1f}"
+              f"{len(prompt) * 1e3 / ms['prefill']:>14.1f}")
+    if "none" in lms and len(lms) > 1:
+        V = lms["none"].cfg.vocab_size
+        ps = [tok.encode(t) for t in ("The capital of France is Paris. The capital of Italy is",
+                                      "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+                                      "Write a haiku about the sea.")]
+        q = quality(lms["none"].model, {m: lms[m].model for m in modes if m != "none"}, ps)
+        for m, (agree, kl) in q.items():
+            print(f"quality {m} vs bf16 ({sum(map(len, ps))} positions, vocab {V}): top-1 agreement {agree:.3f}, "
+                  f"mean KL {kl:.4f} nats")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+        for n, e in engines.items():
+            if not n.startswith("ours"):
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    e.rows(1)
+            print(f"-- {n}: one decode step, per op (10 steps)")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+
+
+if __name__ == "__main__":
+    main()

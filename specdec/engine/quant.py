@@ -1,0 +1,339 @@
+"""Weight-only quantized linears: int8 per output channel, int4 in groups of 32 along the input dim.
+
+    model = quantize_model(model, "int4", gguf_path)   # block linears int4, lm_head int8
+    logits = linear(x, layer.attn.wqkv.weight, bias)   # the packed kernel for a QLinear, F.linear for a tensor
+
+The matmuls are PyTorch's packed CPU kernels: `_weight_int4pack_mm_for_cpu` (w = (q - 8) * scale + zero per group
+of 32, scale/zero in the activation dtype) and `_weight_int8pack_mm` (w = q * scale per row). Both compute each row
+of x on its own, so a row's bits do not depend on how many rows share the call: the engine's start-up probe checks
+that, as it does for F.linear, and falls back to fixed row tiles where it fails.
+
+Where the weights come from (what is exact and what is requantized):
+- int4 from a GGUF's Q4_0 / Q4_1 / Q4_K blocks: the 4-bit codes are taken as they are, and each group of 32 gets
+  scale = d (Q4_K: d * sub-block scale) and offset = m (Q4_0: -8d; Q4_K: -dmin * sub-block min), so
+  scale * q + offset reproduces the file's dequantised values bitwise in float32 (tests/test_quant.py). The kernel
+  holds scale and zero = offset + 8 * scale in bf16, so those two per group are rounded to bf16 (8-bit mantissa):
+  the one approximation of this path.
+- int4 from anything else (Q5_0, Q6_K, Q8_0, F16/F32 files, HF directories, tiny models): dequantised to float32,
+  then requantized per group of 32 with the group's min and max (asymmetric, 16 levels).
+- int8 (and the lm_head in int4 mode, which llama.cpp's Q4_K_M also keeps wider): dequantised to float32, then
+  requantized per output row, scale = max|w| / 127. A GGUF block's own scale varies every 32 (or 16) inputs, so no
+  GGUF type maps exactly onto one scale per row.
+The token embedding stays in the model dtype (a lookup table, read one row per token).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelError
+
+MODES = ("none", "int8", "int4")
+GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
+CACHE_FORMAT = 1                 # bump when the cached layout changes
+
+
+def check_mode(mode: str | None) -> str:
+    mode = mode or "none"
+    if mode not in MODES:
+        raise ModelError(f"unknown quantization {mode!r}", field="quant", remedy=f"use one of {', '.join(MODES)}")
+    return mode
+
+
+# -- the weight ---------------------------------------------------------------------------------------------------
+class QLinear(nn.Module):
+    """A quantized linear layer's weight (and bias). It stands in for the weight tensor: model code passes
+    `module.weight` to `linear(x, w, b)`, which for a QLinear is the module itself and dispatches to its kernel.
+    The packed tensors are buffers, so state_dict / safetensors caching and `.to()` work as for any module."""
+
+    def __init__(self, kind: str, out_features: int, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kind, self.out_features, self.in_features = kind, out_features, in_features
+        self.row_invariant: bool | None = None     # probe_invariance's answer, once asked
+        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]
+        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight(self) -> "QLinear":
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.scales.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @classmethod
+    def int4(cls, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias=None,
+             dtype=torch.bfloat16) -> "QLinear":
+        """codes uint8 [N, K] in 0..15, scale/offset float32 [N, K/32]: w = scale * q + offset per group."""
+        N, K = codes.shape
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        zero = offset + 8 * scale                     # the kernel computes (q - 8) * scale + zero
+        scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        return cls("int4", N, K, packed, scales, None if bias is None else bias.to(dtype))
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor, bias=None, dtype=torch.bfloat16) -> "QLinear":
+        N, K = q.shape
+        return cls("int8", N, K, q.contiguous(), scale.to(dtype), None if bias is None else bias.to(dtype))
+
+    @classmethod
+    def empty(cls, kind: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> "QLinear":
+        """Placeholder tensors of the right shapes (meta device), for loading a cached state dict."""
+        N, K = out_features, in_features
+        with torch.device("meta"):
+            if kind == "int4":
+                qw, sc = torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(K // GROUP, N, 2, dtype=dtype)
+            else:
+                qw, sc = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=dtype)
+            b = torch.empty(N, dtype=dtype) if bias else None
+        return cls(kind, N, K, qw, sc, b)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()                              # the kernels want dense rows
+        if self.kind == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] as the kernel sees it, in float32 (for drafters that copy a head, and for tests)."""
+        N, K = self.out_features, self.in_features
+        if self.kind == "int8":
+            return self.qweight.float() * self.scales.float()[:, None]
+        codes = unpack_int4(self.qweight, N, K).float().reshape(N, K // GROUP, GROUP)
+        scale, zero = (self.scales[..., i].t().float()[..., None] for i in (0, 1))
+        return ((codes - 8) * scale + zero).reshape(N, K)
+
+    def __getitem__(self, rows) -> torch.Tensor:
+        """Rows of the dequantised weight, in the model dtype (a drafter copying some of the head's rows)."""
+        return self.dequantize()[rows].to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a weight tensor; the packed kernel for a QLinear (which carries its own bias)."""
+    if isinstance(w, QLinear):
+        return w.mm(x)
+    return F.linear(x, w, b)
+
+
+def probe_invariance(weights, rows=(1, 2, 3, 4, 5, 8, 16, 17, 33)) -> bool:
+    """Does `linear` give each row the same bits at every row count for these (possibly quantized) weights? The
+    packed kernels compute row by row, so this holds on CPU; the start-up check makes it a fact, not a hope. The
+    answer is kept on each QLinear (every Engine over the same model would otherwise probe again)."""
+    gen = torch.Generator().manual_seed(0)
+    for w in weights:
+        if getattr(w, "row_invariant", None) is not None:
+            if not w.row_invariant:
+                return False
+            continue
+        x = torch.randn(max(rows), w.shape[1], generator=gen).to(w.dtype).to(w.device)
+        one = torch.cat([linear(x[i:i + 1], w) for i in range(max(rows))])
+        ok = all(torch.equal(linear(x[:n], w), one[:n]) for n in rows)
+        if isinstance(w, QLinear):
+            w.row_invariant = ok
+        if not ok:
+            return False
+    return True
+
+
+def unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """The codes uint8 [N, K] back out of the CPU kernel's packed layout, read through the kernel itself: with one-hot
+    rows of x and scale 1 / zero 8 per group, it returns exactly the codes (small integers are exact in any float)."""
+    ones = torch.stack([torch.ones(K // GROUP, N), torch.full((K // GROUP, N), 8.0)], dim=-1)
+    cols = []
+    for k0 in range(0, K, 1024):                    # 1024 one-hot rows at a time: eye(K) whole is K^2 floats
+        n = min(1024, K - k0)
+        onehot = torch.zeros(n, K)
+        onehot[torch.arange(n), torch.arange(k0, k0 + n)] = 1
+        cols.append(torch.ops.aten._weight_int4pack_mm_for_cpu(onehot, packed, GROUP, ones))
+    return torch.cat(cols).t().round().to(torch.uint8)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, QLinear) for m in model.modules())
+
+
+# -- quantizers (float32 in, codes + scales out) ---------------------------------------------------------------------
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max per group of 32: codes uint8 [N, K], scale and offset float32 [N, K/32]."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))   # a constant group: every code 0, offset = value
+    codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(N, K)
+    return codes, scale, lo
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per output row: q int8 [N, K] in -127..127, scale float32 [N]."""
+    scale = w.float().abs().amax(1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (w.float() / safe[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def gguf_int4(data: np.ndarray, qtype, shape: tuple[int, int]):
+    """The 4-bit codes of Q4_0 / Q4_1 / Q4_K blocks as they are, with each group's scale and offset (float32),
+    such that scale * q + offset equals gguf.dequantize bitwise. None for any other block type."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+    from gguf.quants import Q4_K
+    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        return None
+    N, K = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    f16 = lambda a: a.copy().view(np.float16).astype(np.float32)     # noqa: E731
+    if qtype == Q.Q4_K:   # 256 = 8 sub-blocks of 32: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        scale = d * sc.astype(np.float32)                              # [n, 8]
+        offset = -(dmin * mn.astype(np.float32))
+        qs = blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    else:                 # 32: d (Q4_1: d, m), 16 bytes of nibbles (low nibbles are elements 0..15)
+        d = f16(blocks[:, 0:2])
+        scale = d
+        offset = f16(blocks[:, 2:4]) if qtype == Q.Q4_1 else -8 * d
+        qs = blocks[:, -16:].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+    codes = (qs & 0x0F).reshape(N, K)
+    return (torch.from_numpy(codes), torch.from_numpy(scale.reshape(N, K // GROUP)),
+            torch.from_numpy(offset.reshape(N, K // GROUP)))
+
+
+def dequantize_int4(codes, scale, offset) -> torch.Tensor:
+    """float32 weights of (codes, scale, offset): the slow reference."""
+    N, K = codes.shape
+    return (codes.float().reshape(N, K // GROUP, GROUP) * scale[..., None] + offset[..., None]).reshape(N, K)
+
+
+# -- whole models ------------------------------------------------------------------------------------------------------
+def _linears(model) -> dict[str, nn.Module]:
+    """The model's linear layers by module name: every block's four, and the output head (lm_head, tied or not)."""
+    out = {}
+    for i, b in enumerate(model.layers):
+        out.update({f"layers.{i}.attn.wqkv": b.attn.wqkv, f"layers.{i}.attn.wo": b.attn.wo,
+                    f"layers.{i}.mlp.w_gate_up": b.mlp.w_gate_up, f"layers.{i}.mlp.w_down": b.mlp.w_down})
+    out["lm_head"] = model.lm_head
+    return out
+
+
+def _gguf_parts(name: str, tied: bool) -> list[str]:
+    """GGUF tensor names that make up one of our (possibly fused) linears."""
+    if name == "lm_head":
+        return ["token_embd.weight" if tied else "output.weight"]
+    i, rest = name.split(".")[1], name.split(".", 2)[2]
+    parts = {"attn.wqkv": ["attn_q", "attn_k", "attn_v"], "attn.wo": ["attn_output"],
+             "mlp.w_gate_up": ["ffn_gate", "ffn_up"], "mlp.w_down": ["ffn_down"]}[rest]
+    return [f"blk.{i}.{p}.weight" for p in parts]
+
+
+def _kind(mode: str, name: str) -> str:
+    return "int8" if mode == "int8" or name == "lm_head" else "int4"
+
+
+def quantize_model(model, mode: str, gguf_path: str | os.PathLike | None = None):
+    """Replace the model's linears by QLinears in place (and return it). With `gguf_path` (the file the model was
+    loaded from), weights are read from the file's blocks: 4-bit codes kept exactly where possible (see the module
+    doc); else they are requantized from the model's own weights."""
+    mode = check_mode(mode)
+    if mode == "none":
+        return model
+    dtype = model.embed.weight.dtype
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ModelError(f"quantized execution needs a bf16/fp16/fp32 model, not {dtype}", field="quant",
+                         remedy="load the model with --dtype bf16")
+    if model.embed.weight.device.type != "cpu":
+        raise ModelError("quantized execution is implemented for CPU only", field="quant")
+    tensors = {}
+    if gguf_path is not None:
+        from .loader import read_gguf
+        tensors = {t.name: t for t in read_gguf(gguf_path).tensors}
+    tied = model.lm_head is None
+    for name, lin in _linears(model).items():
+        w = model.embed.weight if lin is None else lin.weight
+        bias = None if lin is None else lin.bias
+        parts = _gguf_parts(name, tied) if tensors else []
+        setattr_path(model, name, _quantize_one(_kind(mode, name), w, bias, [tensors[p] for p in parts],
+                                                model.cfg, dtype))
+    return model
+
+
+def _quantize_one(kind, w, bias, gguf_tensors, cfg, dtype) -> QLinear:
+    if kind == "int8":
+        return QLinear.int8(*quantize_int8(w.float()), bias=bias, dtype=dtype)
+    pieces, start = [], 0
+    for t in gguf_tensors or [None]:
+        n = w.shape[0] if t is None else int(t.shape[-1])
+        exact = None if t is None else gguf_int4(t.data, t.tensor_type, (n, w.shape[1]))
+        if exact is not None and cfg.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            from .loader import _unpermute   # llama.cpp interleaves Llama q/k rows; the model holds them unpermuted
+            heads = cfg.n_heads if t.name.endswith("attn_q.weight") else cfg.n_kv_heads
+            exact = tuple(torch.from_numpy(_unpermute(a.numpy(), heads).copy()) for a in exact)
+        # Not 4-bit blocks: requantize the (already dequantised) model weights of these rows.
+        pieces.append(exact if exact is not None else quantize_int4(w[start:start + n].float()))
+        start += n
+    codes, scale, offset = (torch.cat(p) for p in zip(*pieces))
+    return QLinear.int4(codes, scale, offset, bias=bias, dtype=dtype)
+
+
+def setattr_path(root: nn.Module, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        root = getattr(root, p)
+    setattr(root, leaf, value)
+
+
+# -- cache (a quantized model as one safetensors file + a json description) ------------------------------------------
+def save_quantized(model, path: str | os.PathLike) -> Path:
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    spec = {name: [m.kind, m.out_features, m.in_features, m.bias is not None]
+            for name, m in model.named_modules() if isinstance(m, QLinear)}
+    meta = {"format": CACHE_FORMAT, "torch": torch.__version__, "cfg": dataclasses.asdict(model.cfg),
+            "dtype": str(model.embed.weight.dtype).removeprefix("torch."), "linears": spec}
+    (path / "quant.json").write_text(json.dumps(meta, indent=1))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    return path
+
+
+def load_quantized(path: str | os.PathLike):
+    from safetensors.torch import load_file
+
+    from .model import ModelConfig, Transformer, rope_tables
+    path = Path(path)
+    meta = json.loads((path / "quant.json").read_text())
+    if meta.get("format") != CACHE_FORMAT or meta.get("torch") != torch.__version__:
+        raise ModelError(f"{path}: quantized cache of another format / torch version")
+    cfg, dtype = ModelConfig(**meta["cfg"]), getattr(torch, meta["dtype"])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    for name, (kind, n, k, bias) in meta["linears"].items():
+        setattr_path(model, name, QLinear.empty(kind, n, k, bias, dtype))
+    # clone(): safetensors hands out tensors at whatever offset they sit in the file; the packed kernels' vector
+    # loads crashed (SIGSEGV) on such views of a cached lm_head, a fresh allocation is aligned.
+    state = {k: v.clone() for k, v in load_file(str(path / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if [m for m in missing if "rope" not in m] or unexpected:
+        raise ModelError(f"{path}: cached weights do not fit: missing {missing}, unexpected {unexpected}")
+    model.rope_cos, model.rope_sin = rope_tables(cfg)
+    return model.eval()

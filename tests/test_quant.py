@@ -1,0 +1,207 @@
+"""Weight-only quantized execution (engine/quant.py): the GGUF-block conversion, the packed kernels, and exactness
+of speculative decoding on quantized models (speculative == target-only, both quantized, token for token)."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.draft import make_drafter
+from specdec.draft.model import ModelDrafter
+from specdec.engine import quant as Q
+from specdec.engine.engine import Engine
+from specdec.engine.registry import load
+from specdec.generate import Request, generate
+from specdec.speculative.generator import GenRequest, SpeculativeGenerator
+from specdec.speculative.sampling import SamplingParams
+
+from .conftest import random_prompt
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+F16_OFFSETS = {QT.Q4_0: [0], QT.Q4_1: [0, 2], QT.Q4_K: [0, 2]}     # byte offsets of a block's f16 fields
+
+
+def random_blocks(qtype, N: int, K: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks for an [N, K] weight: random codes and (sub-)scales, finite f16 scales of weight-like size."""
+    rng = np.random.default_rng(seed)
+    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(N * K // block_elems, block_bytes), dtype=np.uint8)
+    for off in F16_OFFSETS[qtype]:
+        raw[:, off:off + 2] = rng.uniform(-0.01, 0.01, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q4_K], ids=lambda t: t.name)
+def test_gguf_blocks_convert_bitwise(qtype):
+    N, K = 48, 512
+    data = random_blocks(qtype, N, K, seed=int(qtype))
+    codes, scale, offset = Q.gguf_int4(data, qtype, (N, K))
+    ref = torch.from_numpy(dequantize(data, qtype).reshape(N, K).astype(np.float32))
+    assert torch.equal(Q.dequantize_int4(codes, scale, offset), ref)          # float32, bitwise
+
+    # The packed layout holds exactly these codes, and the float32 kernel computes fma((q - 8), scale, zero) with
+    # zero = offset + 8 * scale: one rounding of zero away from the file (Q4_0: zero = 0, so the file's values).
+    lin = Q.QLinear.int4(codes, scale, offset, dtype=torch.float32)
+    assert torch.equal(Q.unpack_int4(lin.qweight, N, K), codes)
+    kernel_w = lin.mm(torch.eye(K)).t()
+    zero = offset + 8 * scale
+    fma = ((codes.double().reshape(N, K // 32, 32) - 8) * scale.double()[..., None] + zero.double()[..., None])
+    assert torch.equal(kernel_w, fma.reshape(N, K).float())
+    if qtype == QT.Q4_0:
+        assert torch.equal(kernel_w, ref)
+    assert Q.gguf_int4(data, QT.Q8_0, (N, K)) is None                       # other types are requantized
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_qlinear_matches_dequantized_matmul(kind, dtype):
+    """The kernel equals x @ W^T over its own dequantized weight W up to: rounding the output to `dtype` (half an ulp,
+    2^-9 relative in bf16) and rounding each dequantized weight to `dtype` before the multiply (2^-9 |w| each), i.e.
+    |y - ref| <= u |ref| + u sum_k |x_k w_k| with u = 2^-8 (bf16) or 2^-20 (float32, with slack for the float32
+    accumulation order). A wrong layout or scale misplaces whole weights: errors of order |ref|, far outside."""
+    g = torch.Generator().manual_seed(0)
+    N, K = 160, 512
+    w = torch.randn(N, K, generator=g) * 0.02
+    lin = (Q.QLinear.int4(*Q.quantize_int4(w), dtype=dtype) if kind == "int4"
+           else Q.QLinear.int8(*Q.quantize_int8(w), dtype=dtype))
+    x = torch.randn(16, K, generator=g).to(dtype)
+    W = lin.dequantize().double()
+    ref = x.double() @ W.t()
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20
+    bound = u * ref.abs() + u * (x.double().abs() @ W.abs().t())
+    err = (Q.linear(x, lin).double() - ref).abs()
+    assert (err <= bound).all(), (err / bound).max()
+    # ... and the bound is tight enough to catch a misplaced group: permute the groups of one row and it fails
+    assert not ((x.double() @ W.roll(32, dims=1).t() - ref).abs() <= bound).all()
+    # the quantized weight itself is close to the float one (int4: half a step of a 16-level group, int8 of 255)
+    step = (w.reshape(N, -1, 32).amax(-1) - w.reshape(N, -1, 32).amin(-1)).amax() / 15 if kind == "int4" \
+        else w.abs().amax() / 127
+    assert (lin.dequantize() - w).abs().max() <= step * 0.51 + 2 ** -7 * w.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_packed_kernels_row_invariant(kind):
+    """A row's output bits do not depend on how many rows share the call (the engine probes this at start-up)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(960, 576, generator=g) * 0.02
+    lin = (Q.QLinear.int4(*Q.quantize_int4(w)) if kind == "int4" else Q.QLinear.int8(*Q.quantize_int8(w)))
+    x = torch.randn(40, 576, generator=g).bfloat16()
+    alone = torch.cat([lin.mm(x[i:i + 1]) for i in range(40)])
+    for n in (1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 40):
+        assert torch.equal(lin.mm(x[:n]), alone[:n]), n
+    assert Q.probe_invariance([lin])
+
+
+def test_cache_round_trip(tmp_path):
+    m = Q.quantize_model(load("tiny-qwen2", "bf16").model, "int4")
+    Q.save_quantized(m, tmp_path / "q")
+    m2 = Q.load_quantized(tmp_path / "q")
+    p = random_prompt(m.cfg.vocab_size, 12, seed=3)
+    assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
+    assert isinstance(m2.lm_head, Q.QLinear) and isinstance(m2.layers[1].mlp.w_down, Q.QLinear)
+
+
+def test_unknown_mode_and_float64_are_refused():
+    from specdec.errors import ModelError
+    with pytest.raises(ModelError):
+        Q.check_mode("int3")
+    with pytest.raises(ModelError):
+        load("tiny-llama", quant="int4")                # float64: no packed kernel
+
+
+# -- exactness on quantized models ------------------------------------------------------------------------------------
+PAIRS = [("tiny-llama", "tiny-llama-draft"), ("tiny-qwen2", "tiny-qwen2-draft")]
+
+
+@pytest.fixture(scope="module")
+def qmodels():
+    """Every tiny target/draft in bf16, quantized int8 and int4: {(name, mode): model}."""
+    return {(n, mode): load(n, "bf16", quant=mode).model for pair, mode in ((PAIRS[0], "int8"), (PAIRS[1], "int4"))
+            for n in pair}
+
+
+def _prompts(V):
+    return [random_prompt(V, 17, seed=17), random_prompt(V, 5, seed=99) * 4]
+
+
+def _target_only(model, prompts, params, n):
+    return [generate(Engine(model), [Request(p, params, n)])[0].tokens for p in prompts]      # each prompt alone
+
+
+def _speculative(model, drafter, prompts, params, n, **kw):
+    gen = SpeculativeGenerator(Engine(model, kv_tokens=8192, page_size=8), drafter, **kw)
+    return [o.tokens for o in gen.generate([GenRequest(p, params, n) for p in prompts])]
+
+
+@pytest.mark.parametrize("pair,mode", [(PAIRS[0], "int8"), (PAIRS[1], "int4")], ids=["llama-int8", "qwen2-int4"])
+def test_quantized_speculative_equals_target_only(qmodels, pair, mode):
+    """(Kept small for `make test`: llama int8, and qwen2 int4 which adds the qkv bias.)"""
+    target, draft = qmodels[pair[0], mode], qmodels[pair[1], mode]
+    assert Q.is_quantized(target) and Q.is_quantized(draft)
+    prompts = _prompts(target.cfg.vocab_size)
+    drafters = {"model": ModelDrafter(draft, kv_tokens=4096), "layer-skip": make_drafter("layer-skip", target, skip="0")}
+    greedy = _target_only(target, prompts, SamplingParams(), 12)
+    for name, d in drafters.items():
+        for gamma, layout in ((4, "padded"), (8, "compact")):
+            assert _speculative(target, d, prompts, SamplingParams(), 12, gamma=gamma, layout=layout) == greedy, \
+                (name, gamma, layout)
+    sp = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
+    seeded = _target_only(target, prompts, sp, 12)
+    assert _speculative(target, drafters["model"], prompts, sp, 12, gamma=4, mode="coupled") == seeded
+
+
+# -- SmolLM2 int4 from its own GGUF blocks ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2_int4():
+    return load("smollm2-135m", quant="int4")
+
+
+@pytest.mark.slow
+def test_smollm2_int4_weights_are_the_files(smollm2_int4, smollm2):
+    """The int4 model's weights are the bf16 model's (both from the file's Q4_1 blocks) up to the bf16 rounding of
+    each group's scale and zero: a misplaced row (e.g. the Llama q/k un-interleaving) would differ by whole weights."""
+    for name in ("attn.wqkv", "mlp.w_down"):
+        lin = smollm2_int4.model.layers[3].get_submodule(name)
+        ref = smollm2.model.layers[3].get_submodule(name).weight.float()
+        assert (lin.dequantize() - ref).abs().max() <= 2 ** -6 * ref.abs().max()
+
+
+@pytest.mark.slow
+def test_smollm2_int4_speculative_equals_target_only(smollm2_int4):
+    lm, n = smollm2_int4, 12
+    # One short code prompt (`make test` budget): the packed int4 kernel dequantises per row, so prefill rows dominate.
+    prompts = [lm.tokenizer.encode("def fibonacci(n):\n    ")]
+    d = make_drafter("layer-skip", lm.model, skip="0-11,18-29", kv_tokens=16384)
+    greedy = _target_only(lm.model, prompts, SamplingParams(), n)
+    assert _speculative(lm.model, d, prompts, SamplingParams(), n, gamma=4) == greedy
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    assert _speculative(lm.model, d, prompts, sp, n, gamma=4, mode="coupled") == _target_only(lm.model, prompts, sp, n)
+
+
+def test_linear_dispatch_keeps_plain_tensors_on_f_linear():
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    assert torch.equal(Q.linear(x, w), F.linear(x, w))
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+def test_bad_quant_values_get_clear_errors(capsys, monkeypatch):
+    from specdec.cli import main
+    from specdec.engine.backend import open_backend
+    from specdec.errors import SpecdecError
+    with pytest.raises(SystemExit) as e:                       # argparse names the flag and the choices
+        main(["generate", "--model", "tiny-llama", "--quant", "int3", "--prompt", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--quant" in err and "int3" in err and "int8" in err
+    with pytest.raises(SystemExit):
+        main(["bench", "--target", "tiny-llama", "--draft-quant", "q4"])
+    assert "--draft-quant" in capsys.readouterr().err
+    # an environment default bypasses argparse's choices: the loader refuses it, naming the field and the remedy
+    monkeypatch.setenv("SPECDEC_QUANT", "int3")
+    assert main(["generate", "--model", "tiny-llama", "--dtype", "bf16", "--prompt", "x", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "quant" in err and "int3" in err and "int4" in err
+    with pytest.raises(SpecdecError, match="tensor parallel"):
+        open_backend("tiny-llama", tp=2, dtype="bf16", quant="int4")
