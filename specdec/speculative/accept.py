@@ -48,7 +48,7 @@ import torch
 from . import sampling
 from .coins import Stream, coin, coins_many, column_mix, keys, mix, unit
 
-__all__ = ["Mode", "AcceptOutput", "accept", "draft_sample", "densify", "residual_weights", "inverse_cdf",
+__all__ = ["Mode", "AcceptOutput", "accept", "accept_targets", "draft_sample", "densify", "residual_weights", "inverse_cdf",
            "sample_residual", "CHECK_AGAINST_REFERENCE"]
 
 # Run the reference beside the fast path and assert equality (tests, debugging a deployment). Read per call too,
@@ -287,3 +287,18 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     acc, em, xs = num_acc.tolist(), emitted.tolist(), draft_tokens.tolist()
     tokens = [xs[lo - i: lo - i + acc[i]] + [em[i]] for i, lo in enumerate(b.cu[:-1])]
     return AcceptOutput(num_acc.cpu(), tokens)
+
+
+def accept_targets(targets: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> AcceptOutput:
+    """Greedy / coupled acceptance when the target gives, instead of p, the token plain decoding emits at each row
+    (a top-K backend, engine/sglang_backend.py): accept drafts while they equal that token, then emit the target's
+    token at the first mismatch or at the bonus row. `targets[i]` may stop at that deciding row. Same result as
+    `accept` on the whole rows, since there greedy and coupled slots also pass iff draft == plain decoding's token."""
+    acc, toks = [], []
+    for t, d in zip(targets, drafts, strict=True):
+        a = next((j for j in range(len(d)) if j >= len(t) or d[j] != t[j]), len(d))
+        if a >= len(t):
+            raise ValueError(f"need the target's token at row {a}, got {len(t)} rows")
+        acc.append(a)
+        toks.append(list(d[:a]) + [int(t[a])])
+    return AcceptOutput(torch.tensor(acc, dtype=torch.long), toks)

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..engine.engine import Engine
-from .accept import Mode, accept
+from .accept import Mode, accept, accept_targets
 from .propose import DraftItem, Drafter, Proposal, SparseRows
 from .sampling import SamplingParams, probs
 from .verify import VerifyItem, verify
@@ -136,6 +136,8 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
 
     # 2. plan, 3. layout + verify
     vlen = plan(reqs, props)
+    if hasattr(target, "target_tokens"):   # a top-K backend (SGLang): the target's token per row instead of p
+        return _step_by_tokens(target, reqs, props, vlen, plan, draft_ok, t0, t1)
     logits, rows = verify(target, [VerifyItem(r.seq, r.committed_len - 1, r.committed[-1], p.tokens, v)
                                    for r, p, v in zip(reqs, props, vlen)], layout, width=max(r.gamma for r in reqs) + 1)
     t2 = time.perf_counter()
@@ -155,6 +157,30 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
         plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3,
                      verify_ms=(t2 - t1) * 1e3)
 
+    return _commit(target, reqs, vlen, out, draft_ok, rows, t0, t1, t2)
+
+
+def _step_by_tokens(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[int], plan, draft_ok: bool,
+                    t0: float, t1: float) -> StepInfo:
+    """Verify + accept with a backend that scores rows remotely and returns, per row, the token plain decoding emits
+    there (engine/sglang_backend.py). Greedy and coupled acceptance need nothing else; rejection needs p and is
+    refused at admission by that backend's capability table."""
+    from ..engine.sglang_backend import Row
+    if any(r.mode is Mode.REJECTION for r in reqs):
+        raise ValueError("rejection acceptance needs the whole target distribution; this backend gives top-K rows")
+    rows = [Row(r.seq, r.committed_len - 1, r.committed[-1], list(p.tokens[:v - 1]), r.params)
+            for r, p, v in zip(reqs, props, vlen)]
+    targets = target.target_tokens(rows)
+    t2 = time.perf_counter()
+    out = accept_targets(targets, [row.drafts for row in rows])
+    if hasattr(plan, "observe"):
+        plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3,
+                     verify_ms=(t2 - t1) * 1e3)
+    return _commit(target, reqs, vlen, out, draft_ok, sum(vlen), t0, t1, t2)
+
+
+def _commit(target, reqs: list[SpecRequest], vlen: list[int], out, draft_ok: bool, rows: int,
+            t0: float, t1: float, t2: float) -> StepInfo:
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
     for i, (r, v) in enumerate(zip(reqs, vlen)):
