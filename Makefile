@@ -12,7 +12,7 @@ MODEL ?= smollm2-135m
 PROMPT ?= Write a haiku about speculative decoding.
 MAX_TOKENS ?= 64
 
-.PHONY: install run generate test test-fast bench-engine bench-invariance models-qwen clean
+.PHONY: install run generate test test-fast test-sglang peers bench-engine bench-invariance models-qwen compose-test train-drafter clean
 
 STUBS := specdec/v1/specdec_pb2.py specdec/v1/specdec_pb2_grpc.py
 install: $(VENV)/.installed $(STUBS)
@@ -45,6 +45,19 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# Opt-in, never part of `make test`: the sglang verify backend against a real SGLang server (built as in
+# ../shared/sglang-cpu.md) serving `specdec export-hf smollm2-135m DIR`. Fails (never skips) when nothing answers at
+# SGLANG_URL. SGLANG_PYTHON (the SGLang venv's python) lets the kill/restart test start an SGLang server of its own.
+SGLANG_URL ?=
+SGLANG_PYTHON ?=
+test-sglang: install
+	SGLANG_URL="$(SGLANG_URL)" SGLANG_PYTHON="$(SGLANG_PYTHON)" $(BIN)/python -m pytest -v -s tests/sglang_real/sglang_suite.py
+
+# Opt-in, never part of `make test`: the llama.cpp peer (`specdec bench --peer-llamacpp`, benchmarks/quant_bench.py).
+# pip compiles llama.cpp from the sdist: one compile job, niced, as the machine is shared (~20-40 min on 2 cores).
+peers: install
+	CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 10 $(BIN)/python -m pip install -q -e '.[peers]'
+
 bench-engine: install
 	$(BIN)/python benchmarks/engine_bench.py --model $(MODEL)
 
@@ -57,5 +70,20 @@ bench-invariance: install
 models-qwen: install
 	$(BIN)/python -m specdec.engine.assets assemble qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 
+# Opt-in, never part of `make test` (root; installs Docker, builds images; ~10 min the first time here): the container
+# deployment end to end (docker-compose.yml, and docker-compose.scale.yml with 2 replicas behind HAProxy), checked with
+# the openai client, a draft kill and a replica kill mid-stream; deploy/compose_test.py. COMPOSE_TEST_ARGS=--keep-docker
+# leaves dockerd running.
+compose-test: install
+	$(BIN)/python deploy/compose_test.py $(COMPOSE_TEST_ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The trained drafter (issue 14): the target's own greedy / T=0.7 continuations of template prompts with its hidden
+# states (>= 1M tokens, cached and resumable under ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and
+# the EAGLE-style baseline trained on them (checkpoint + config + metrics next to the data). Rerunning resumes.
+# Small runs: TRAIN_ARGS="--tokens 20000 --steps 300 --data-minutes 10 --train-minutes 5".
+train-drafter: install
+	nice -n 19 $(BIN)/python -m specdec.draft.train all --model $(MODEL) --kind block,eagle --tokens 1000000 \
+		--data-minutes 90 --train-minutes 20 $(TRAIN_ARGS)
