@@ -175,7 +175,7 @@ def test_schemathesis_fuzz_rest(target, lm, redis_url, ns):
 def test_schemathesis_fuzz_rest_long(target, lm, redis_url, ns):
     """Longer (SPECDEC_FUZZ_LONG_EXAMPLES per operation and mode). Reproducible by default, so CI cannot fail on a
     draw it never made before; SPECDEC_FUZZ_RANDOM=1 draws new inputs on every run, for exploring."""
-    fuzz(target, lm, redis_url, ns, int(os.environ.get("SPECDEC_FUZZ_LONG_EXAMPLES", "250")),
+    fuzz(target, lm, redis_url, ns, int(os.environ.get("SPECDEC_FUZZ_LONG_EXAMPLES", "150")),
          derandomize=os.environ.get("SPECDEC_FUZZ_RANDOM", "") in ("", "0"))
 
 
