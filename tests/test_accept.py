@@ -149,8 +149,7 @@ def test_coins_many_matches_scalar_coins():
     positions = [0, 1, 2**40, 2**64 - 1] + [int(x) for x in rng.integers(0, 2**62, 32)]
     for stream in coins.Stream:
         for column in (0, 5):
-            got = coins.coins_many(np.array([s & acc._M64 for s in seeds], dtype=np.uint64),
-                                 np.array([x & acc._M64 for x in positions], dtype=np.uint64), stream, column)
+            got = coins.coins_many(coins.as_coords(seeds), coins.as_coords(positions), stream, column)
             want = [coins.coin(s, x, stream, column) for s, x in zip(seeds, positions)]
             assert got.tolist() == want
 

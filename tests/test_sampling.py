@@ -6,16 +6,20 @@ from scipy import stats
 
 from specdec.engine.engine import Engine
 from specdec.generate import Request, generate
-from specdec.speculative.coins import Stream, coin, coins
+from specdec.speculative.coins import Stream, as_coords, coin, uniform_rows
 from specdec.speculative.sampling import SamplingParams, probs
 
 from .conftest import random_prompt
 
 
+def _row(seed, position, stream, n):
+    return uniform_rows(as_coords(seed), as_coords(position), n, stream)[0].numpy()
+
+
 def test_coins_open_interval_and_pure():
-    u = coins(123, 45, Stream.GUMBEL, np.arange(100_000, dtype=np.uint64))
+    u = _row(123, 45, Stream.GUMBEL, 100_000)
     assert u.min() > 0 and u.max() < 1
-    assert np.array_equal(u, coins(123, 45, Stream.GUMBEL, np.arange(100_000, dtype=np.uint64)))
+    assert np.array_equal(u, _row(123, 45, Stream.GUMBEL, 100_000))
     assert coin(123, 45, Stream.GUMBEL, 7) == u[7]
     # extreme inputs stay inside (0, 1)
     for seed in (0, 2**63 - 1, 2**64 - 1):
@@ -24,7 +28,7 @@ def test_coins_open_interval_and_pure():
 
 def test_coins_uniform_and_decorrelated():
     # KS test at alpha = 1e-4 (deterministic for these fixed inputs; alpha bounds the false-alarm rate over seeds)
-    u = coins(7, 0, Stream.ACCEPT, np.arange(50_000, dtype=np.uint64))
+    u = _row(7, 0, Stream.ACCEPT, 50_000)
     assert stats.kstest(u, "uniform").pvalue > 1e-4
     across_positions = np.array([coin(7, t, Stream.ACCEPT) for t in range(5000)])
     assert stats.kstest(across_positions, "uniform").pvalue > 1e-4

@@ -42,11 +42,10 @@ import enum
 import os
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from . import sampling
-from .coins import Stream, coin, coins_many, column_mix, keys, mix, unit
+from .coins import Stream, as_coords, coin, coins_many, gumbel_rows
 
 __all__ = ["Mode", "AcceptOutput", "accept", "accept_targets", "draft_sample", "densify", "residual_weights", "inverse_cdf",
            "sample_residual", "CHECK_AGAINST_REFERENCE"]
@@ -126,21 +125,20 @@ def _prepare(p, q, draft_tokens, cu_rows, modes, seeds, positions) -> _Batch:
 
 # ---------------------------------------------------------------------------------------------------- coins, batched
 
-def _gumbel_argmax(p: torch.Tensor, rows: torch.Tensor, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
-    """sampling.sample_seeded(p[rows[k]], seeds[k], positions[k]) for every k: LongTensor [len(rows)]."""
+def _gumbel_argmax(p: torch.Tensor, rows: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """sampling.sample_seeded(p[rows[k]], seeds[k], positions[k]) for every k: LongTensor [len(rows)]. seeds and
+    positions: int64 coordinates on p's device (coins.as_coords)."""
     n, vocab = rows.numel(), p.shape[1]
     out = torch.empty(n, dtype=torch.long, device=p.device)
-    colmix = column_mix(np.arange(vocab, dtype=np.uint64))
     step = max(1, _CHUNK // vocab)
     for s in range(0, n, step):
         e = min(n, s + step)
-        u = unit(mix(keys(seeds[s:e], positions[s:e], Stream.GUMBEL)[:, None] ^ colmix[None, :]))
-        score = torch.log(p[rows[s:e]]) + torch.from_numpy(-np.log(-np.log(u))).to(p.device)
+        score = torch.log(p[rows[s:e]]) + gumbel_rows(seeds[s:e], positions[s:e], vocab, Stream.GUMBEL)
         top = score.topk(min(2, vocab), dim=-1)
         out[s:e] = top.indices[:, 0]
         if vocab > 1:   # near ties (and NaN) go to sample_seeded itself; topk's order among ties is unspecified
             for k in (~(top.values[:, 0] - top.values[:, 1] > _TIE_GAP)).nonzero().flatten().tolist():
-                out[s + k] = sampling.sample_seeded(p[rows[s + k]].cpu(), int(seeds[s + k]), int(positions[s + k]))
+                out[s + k] = sampling.sample_seeded(p[rows[s + k]], int(seeds[s + k]), int(positions[s + k]))
     return out
 
 
@@ -171,9 +169,9 @@ def residual_weights(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return r
 
 
-def sample_residual(p: torch.Tensor, q: torch.Tensor, seeds: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+def sample_residual(p: torch.Tensor, q: torch.Tensor, seeds, positions) -> torch.Tensor:
     """The correction token after a rejection, for rows p, q [R, V] at (seeds[r], positions[r])."""
-    u = torch.from_numpy(coins_many(seeds, positions, Stream.RESIDUAL))
+    u = coins_many(as_coords(seeds, p.device), as_coords(positions, p.device), Stream.RESIDUAL)
     return inverse_cdf(residual_weights(p, q), u)
 
 
@@ -231,10 +229,9 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     req_code = torch.tensor([_CODE[m] for m in b.modes], device=dev)
     code = req_code[req]
     x = draft_tokens.to(dev)
-    # Coin coordinates per row, uint64 in numpy (the hash wraps mod 2^64 like the scalar coins).
-    req_np = req.cpu().numpy()
-    seed = np.array(b.seeds, dtype=np.uint64)[req_np]
-    pos = np.array(b.positions, dtype=np.uint64)[req_np] + slot.cpu().numpy().astype(np.uint64)
+    # Coin coordinates per row: uint64 bits in int64 tensors on the rows' device (wrap-around add, as the coins).
+    seed = as_coords(b.seeds, dev)[req]
+    pos = as_coords(b.positions, dev)[req] + slot
 
     # target[row]: the token plain decoding picks at a row (greedy: argmax, else Gumbel-max); -1 where not needed.
     # Greedy and coupled slots pass iff the draft equals it; every mode emits it at the bonus row.
@@ -248,8 +245,7 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     active, depth = (req_code == _COUPLED).nonzero().flatten(), 0
     while active.numel():
         rows = starts[active] + depth
-        rows_np = rows.cpu().numpy()
-        target[rows] = _gumbel_argmax(p, rows, seed[rows_np], pos[rows_np])
+        target[rows] = _gumbel_argmax(p, rows, seed[rows], pos[rows])
         more = depth < vlen[active] - 1                                        # this row checks a draft
         active = active[more][x[(rows - active)[more]] == target[rows[more]]]  # draft index = row - request
         depth += 1
@@ -259,8 +255,7 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     rej = (code[draft_rows] == _REJECTION).nonzero().flatten()                 # indices into draft_tokens / q
     if rej.numel():                                                            # Leviathan test u * q(x) < p(x)
         rows, xr = draft_rows[rej], x[rej]
-        rows_np = rows.cpu().numpy()
-        u = torch.from_numpy(coins_many(seed[rows_np], pos[rows_np], Stream.ACCEPT)).to(dev)
+        u = coins_many(seed[rows], pos[rows], Stream.ACCEPT)
         ok[rej] = u * q[rej, xr] < p[rows, xr]
 
     # a_i = slot of the first failed draft; verify_len_i - 1 (the bonus row decides) when none failed.
@@ -275,13 +270,11 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
         stopped = num_acc[r] < vlen[r] - 1
         bonus = deciding[r[~stopped]]
         if bonus.numel():
-            bonus_np = bonus.cpu().numpy()
-            target[bonus] = _gumbel_argmax(p, bonus, seed[bonus_np], pos[bonus_np])
+            target[bonus] = _gumbel_argmax(p, bonus, seed[bonus], pos[bonus])
     emitted = target[deciding]
     if r.numel() and bool(stopped.any()):
         rs, ss = deciding[r[stopped]], r[stopped]
-        rows_np = rs.cpu().numpy()
-        u = torch.from_numpy(coins_many(seed[rows_np], pos[rows_np], Stream.RESIDUAL)).to(dev)
+        u = coins_many(seed[rs], pos[rs], Stream.RESIDUAL)
         emitted[ss] = inverse_cdf(residual_weights(p[rs], q[rs - ss]), u)
 
     acc, em, xs = num_acc.tolist(), emitted.tolist(), draft_tokens.tolist()

@@ -56,7 +56,7 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_seeded(p: torch.Tensor, seed: int, position: int) -> int:
     """Gumbel-max draw from one row p [V] with the coins of (seed, position). Zero-probability tokens never win."""
-    score = torch.log(p) + gumbel(seed, position, p.shape[-1], Stream.GUMBEL).to(p.device)
+    score = torch.log(p) + gumbel(seed, position, p.shape[-1], Stream.GUMBEL, p.device)
     return int(score.masked_fill(p <= 0, -torch.inf).argmax())
 
 
