@@ -534,9 +534,8 @@ def create_app(svc: TargetService, metrics=None, api_keys: frozenset[str] = froz
     @app.get("/health")
     async def health():
         store_ok = await svc.store.ping()
-        backend_ok = svc.engine.healthy() and not svc.scheduler.backend_dead
-        if backend_ok and hasattr(svc.engine, "reachable"):   # a remote backend (SGLang) can be down for a while
-            backend_ok = await asyncio.to_thread(svc.engine.reachable)
+        backend_ok = (svc.engine.healthy() and not svc.scheduler.backend_dead
+                      and await asyncio.to_thread(svc.engine.reachable))   # a remote model may be away a while
         ok = store_ok and backend_ok
         body = {"status": "ok" if ok else "degraded", "store": "ok" if store_ok else "unavailable",
                 "backend": "ok" if backend_ok else "down",

@@ -12,8 +12,8 @@ in the server process, whatever runs the model.
 Implementations:
   - `engine.Engine`: the embedded engine, one process, one device.
   - `engine.tp.TPEngine`: the same forward, tensor-parallel over N processes (rank 0 is the caller's process).
-  - (later) an SGLang client: answers the same "logits / top-K for these rows" over HTTP; its radix cache keeps
-    prefixes, so its truncate is bookkeeping only.
+  - `sglang_backend.SGLangBackend`: the model runs in an SGLang server; one batched HTTP scoring call per step
+    returns top-K rows, so it is also a `TopKBackend`; its radix cache keeps prefixes, so truncate is bookkeeping.
 
 A backend that can fail as a whole (a TP worker died) raises `BackendDead`; the server then stops taking work.
 """
@@ -59,8 +59,18 @@ class Backend(Protocol):
     def prefill(self, seqs: list[int], prompts: list[list[int]], chunk_tokens: int = 512) -> torch.Tensor: ...
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
-    def healthy(self) -> bool: ...
+    def healthy(self) -> bool: ...     # False once dead for good: the server stops admitting and exits for a restart
+    def reachable(self) -> bool: ...   # can score right now; a remote model can be away for a while (/health 503)
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class TopKBackend(Protocol):
+    """A backend that scores rows elsewhere and returns, per row, the token plain decoding emits there instead of
+    the row's logits (sglang_backend.Row in, one token list per request out, possibly stopping at the deciding row).
+    Greedy and coupled acceptance need nothing more (accept.accept_targets); rejection needs all of p and is refused
+    through the backend's capability table."""
+    def target_tokens(self, rows: list) -> list[list[int]]: ...
 
 
 @dataclasses.dataclass

@@ -119,6 +119,9 @@ class Engine(PagedSequences):
     def healthy(self) -> bool:
         return True
 
+    def reachable(self) -> bool:
+        return True
+
     def close(self) -> None:
         pass
 

@@ -390,6 +390,9 @@ class TPEngine(PagedSequences):
     def healthy(self) -> bool:
         return self.dead is None
 
+    def reachable(self) -> bool:
+        return self.dead is None
+
     @torch.inference_mode()
     def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
         with self._lock:

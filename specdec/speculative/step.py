@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from ..engine.backend import TopKBackend
 from ..engine.engine import Engine
 from .accept import Mode, accept, accept_targets
 from .propose import DraftItem, Drafter, Proposal, SparseRows
@@ -136,7 +137,7 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
 
     # 2. plan, 3. layout + verify
     vlen = plan(reqs, props)
-    if hasattr(target, "target_tokens"):   # a top-K backend (SGLang): the target's token per row instead of p
+    if isinstance(target, TopKBackend):   # SGLang: the target's token per row instead of p
         return _step_by_tokens(target, reqs, props, vlen, plan, draft_ok, t0, t1)
     logits, rows = verify(target, [VerifyItem(r.seq, r.committed_len - 1, r.committed[-1], p.tokens, v)
                                    for r, p, v in zip(reqs, props, vlen)], layout, width=max(r.gamma for r in reqs) + 1)
