@@ -86,18 +86,11 @@ def sh(cmd: list[str], *, check_rc: bool = True, timeout: float | None = 900, en
 def pick_ports() -> None:
     """The compose files publish ${SPECDEC_PUBLISH_REST:-8000} etc.; a port already taken on this (shared) machine
     is replaced by a free one, and the checks below follow."""
-    import socket
+    from run_local import free_port, port_free   # deploy/, this script's directory
     global REST, GRPC, LB_STATS
 
-    def free(port: int) -> int:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("0.0.0.0", port))
-                return port
-            except OSError:
-                s.bind(("0.0.0.0", 0))
-                return s.getsockname()[1]
+    def free(port: int) -> int:   # published on every interface
+        return port if port_free(port, "0.0.0.0") else free_port(host="0.0.0.0")
 
     ports = {}
     for var, default in (("SPECDEC_PUBLISH_REST", 8000), ("SPECDEC_PUBLISH_GRPC", 50051),

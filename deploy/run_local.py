@@ -40,22 +40,22 @@ def say(msg: str) -> None:
 
 # --- ports -----------------------------------------------------------------------------------------------------
 
-def port_free(port: int) -> bool:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
     # SO_REUSEADDR like uvicorn and grpc, so a port in TIME_WAIT counts as free; no SO_REUSEPORT, so a port another
     # grpc server listens on (grpc sets SO_REUSEPORT and would silently share it) counts as taken.
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
             return True
         except OSError:
             return False
 
 
-def free_port(avoid: set[int]) -> int:
+def free_port(avoid: set[int] = frozenset(), host: str = "127.0.0.1") -> int:
     while True:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             port = s.getsockname()[1]
         if port not in avoid:
             return port
