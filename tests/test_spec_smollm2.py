@@ -48,9 +48,14 @@ def run(smollm2, drafter, reqs, **kw):
     return SpeculativeGenerator(Engine(smollm2.model, kv_tokens=32768), drafter, **kw).generate(reqs)
 
 
-@pytest.mark.parametrize("layout", ["compact", "padded"])
-@pytest.mark.parametrize("gamma", [1, 4, 8])
-@pytest.mark.parametrize("drafter", ["ngram", "layer-skip"])
+# Every pair of (drafter, gamma, layout) values appears once: 6 runs instead of the 12 of the full product, which
+# cost a third of `make test` on an AVX2 machine (bf16 without hardware support). The layouts themselves are
+# compared row by row at the forward level in tests/test_batch_invariance.py.
+PAIRWISE = [("ngram", 1, "compact"), ("ngram", 4, "padded"), ("ngram", 8, "padded"),
+            ("layer-skip", 1, "padded"), ("layer-skip", 4, "compact"), ("layer-skip", 8, "compact")]
+
+
+@pytest.mark.parametrize("drafter,gamma,layout", PAIRWISE)
 def test_greedy_speculative_equals_target_only(smollm2, prompts, drafters, greedy_ref, drafter, gamma, layout):
     outs = run(smollm2, drafters[drafter], [GenRequest(p, SamplingParams(), TOKENS) for p in prompts],
                gamma=gamma, layout=layout)

@@ -145,12 +145,14 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
 
     # 4. accept, vectorised over the ragged batch
     p = torch.cat([probs(lg, r.params) for lg, r in zip(logits, reqs)])
-    drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long)
+    dev = p.device                                   # acceptance runs where the logits are
+    drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long, device=dev)
     q = None
     if any(r.mode is Mode.REJECTION and v > 1 for r, v in zip(reqs, vlen)):
         # q rows only where rejection checks drafts; other requests (and rows of none) get zero-row fillers
-        q = torch.cat([pr.q_dense(V)[:v - 1].to(torch.float64) if r.mode is Mode.REJECTION and v > 1
-                       else torch.zeros(v - 1, V, dtype=torch.float64) for r, pr, v in zip(reqs, props, vlen)])
+        q = torch.cat([pr.q_dense(V)[:v - 1].to(dev, torch.float64) if r.mode is Mode.REJECTION and v > 1
+                       else torch.zeros(v - 1, V, dtype=torch.float64, device=dev)
+                       for r, pr, v in zip(reqs, props, vlen)])
     cu_rows = torch.tensor([0] + vlen).cumsum(0)
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])
