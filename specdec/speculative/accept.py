@@ -274,8 +274,7 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     emitted = target[deciding]
     if r.numel() and bool(stopped.any()):
         rs, ss = deciding[r[stopped]], r[stopped]
-        u = coins_many(seed[rs], pos[rs], Stream.RESIDUAL)
-        emitted[ss] = inverse_cdf(residual_weights(p[rs], q[rs - ss]), u)
+        emitted[ss] = sample_residual(p[rs], q[rs - ss], seed[rs], pos[rs])
 
     acc, em, xs = num_acc.tolist(), emitted.tolist(), draft_tokens.tolist()
     tokens = [xs[lo - i: lo - i + acc[i]] + [em[i]] for i, lo in enumerate(b.cu[:-1])]

@@ -112,9 +112,14 @@ def _columns(n: int, device: torch.device) -> torch.Tensor:
     return column_mix(torch.arange(n, dtype=torch.int64, device=device))
 
 
+def _uniforms(k, n_columns: int, device) -> torch.Tensor:
+    """The coins of key(s) k (a signed64 int, or int64 [R, 1]) for columns 0..n_columns-1."""
+    return unit(mix(_columns(n_columns, torch.device(device)) ^ k))
+
+
 def uniform_rows(seeds: torch.Tensor, positions: torch.Tensor, n_columns: int, stream: int) -> torch.Tensor:
     """coin(seeds[r], positions[r], stream, c) for c < n_columns: float64 [R, n_columns]."""
-    return unit(mix(keys(seeds, positions, stream)[:, None] ^ _columns(n_columns, seeds.device)[None, :]))
+    return _uniforms(keys(seeds, positions, stream)[:, None], n_columns, seeds.device)
 
 
 def gumbel_rows(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int,
@@ -132,5 +137,4 @@ def _gumbel_of(u: torch.Tensor) -> torch.Tensor:
 def gumbel(seed: int, position: int, vocab_size: int, stream: int = Stream.GUMBEL, device=None) -> torch.Tensor:
     """Gumbel(0,1) noise over the whole vocabulary for one position, float64 [V] (the key in Python integers: one
     row is the per-token case, where each tensor op's overhead counts)."""
-    cols = _columns(vocab_size, torch.device(device or "cpu"))
-    return _gumbel_of(unit(mix(cols ^ signed64(key(seed, position, stream)))))
+    return _gumbel_of(_uniforms(signed64(key(seed, position, stream)), vocab_size, device or "cpu"))
