@@ -52,11 +52,12 @@ def _limits(drafter: Drafter) -> tuple[int | None, int | None]:
     """(vocabulary size, context length) of a model drafter; (None, None) for one without a model (n-gram)."""
     engine = getattr(drafter, "engine", None)
     if engine is None:
-        return None, None
+        return getattr(drafter, "vocab_size", None), getattr(drafter, "max_len", None)
     return engine.vocab_size, engine.cfg.max_seq_len
 
 
-def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int | None) -> DraftItem:
+def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int | None,
+               feature_width: int = 0) -> DraftItem:
     """The library item for a wire item, or InvalidRequest naming the field (items[k].<field>)."""
     def bad(field: str, message: str, remedy: str | None = None):
         raise InvalidRequest(message, field=f"items[{k}].{field}", remedy=remedy)
@@ -69,7 +70,16 @@ def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int |
     # params_from_pb reads top_p <= 0 as "off"; only 0 means that on the wire, so refuse negatives and NaN here.
     if math.isnan(s.top_p) or s.top_p < 0:
         bad("sampling.top_p", f"{s.top_p!r} is out of range", "use 0 (off) or a value in (0, 1]")
-    item = wire.item_from_pb(m)
+    if m.features:
+        row_bytes = 2 * feature_width
+        if not row_bytes:
+            bad("features", "this drafter reads no hidden states", "send none")
+        if len(m.features) % row_bytes:
+            bad("features", f"{len(m.features)} bytes is not whole rows of {row_bytes} (bfloat16 x {feature_width})")
+        if m.features_start + len(m.features) // row_bytes > max(0, m.committed_len - 1):
+            bad("features_start", f"rows {m.features_start}..{m.features_start + len(m.features) // row_bytes - 1} "
+                "reach the anchor or beyond", "send rows of committed positions before the anchor only")
+    item = wire.item_from_pb(m, feature_width)
     try:
         validate_sampling(item.params)
     except InvalidRequest as e:
@@ -157,7 +167,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         await self._auth(context)
         t0 = time.perf_counter()
         try:
-            items = [check_item(k, m, self.vocab_size, self.max_len) for k, m in enumerate(request.items)]
+            items = [check_item(k, m, self.vocab_size, self.max_len, self.drafter.feature_width)
+                     for k, m in enumerate(request.items)]
             seen = set()
             for k, it in enumerate(items):
                 if it.sid in seen:
@@ -183,7 +194,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(*failure)
         lost = sum(p.status == pb.Proposal.NEED_CONTEXT for p in proposals)
         log.debug("propose: %d items, %d need context, %.1f ms", len(items), lost, 1e3 * (time.perf_counter() - t0))
-        return pb.ProposeResponse(proposals=proposals, drafter=self.drafter.name)
+        return pb.ProposeResponse(proposals=proposals, drafter=self.drafter.name,
+                                  feature_layers=self.drafter.feature_layers,
+                                  feature_window=self.drafter.feature_window)
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         await self._auth(context)
@@ -282,11 +295,12 @@ def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
 
     check_device(args.device)                 # a clear error before any weights load
     target = None
-    if args.drafter == "layer-skip":      # shares the target's weights, so the target is loaded here
+    if args.drafter in ("layer-skip", "block"):   # layer-skip shares the target's weights; block its embedding
         from specdec.engine.registry import load
         target = load(args.target_model, args.dtype, quant=args.quant).model
     return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
-                        batch_invariant=args.batch_invariant, device=args.device, quant=args.quant)
+                        batch_invariant=args.batch_invariant, device=args.device, quant=args.quant,
+                        checkpoint=args.draft_checkpoint, features="wire")
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -338,9 +352,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bind address (loopback by default; 0.0.0.0 to serve other hosts) [SPECDEC_DRAFT_HOST]")
     p.add_argument("--port", type=int, default=int(_env("SPECDEC_DRAFT_PORT", 50061)), help="[SPECDEC_DRAFT_PORT]")
     p.add_argument("--drafter", default=_env("SPECDEC_DRAFTER", "ngram"),
-                   help="ngram | layer-skip | a draft model preset or path [SPECDEC_DRAFTER]")
+                   help="ngram | layer-skip | block (trained, on the target's hidden states) | a draft model preset "
+                        "or path [SPECDEC_DRAFTER]")
     p.add_argument("--target-model", default=_env("SPECDEC_TARGET_MODEL", "smollm2-135m"),
-                   help="the target model whose layers layer-skip keeps [SPECDEC_TARGET_MODEL]")
+                   help="the target model whose layers layer-skip keeps (block: whose embedding it shares) "
+                        "[SPECDEC_TARGET_MODEL]")
+    p.add_argument("--draft-checkpoint", default=_env("SPECDEC_DRAFT_CHECKPOINT", None),
+                   help="block: a trained drafter's directory (default: the one shipped for --target-model); the "
+                        "target sends its hidden states with each Propose [SPECDEC_DRAFT_CHECKPOINT]")
     p.add_argument("--draft-layers", default=_env("SPECDEC_DRAFT_LAYERS", None),
                    help="layer-skip: target layers to keep, e.g. 0-11,18-29 [SPECDEC_DRAFT_LAYERS]")
     p.add_argument("--dtype", default=_env("SPECDEC_DTYPE", None),

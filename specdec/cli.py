@@ -62,8 +62,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                                                  "unset = target-only decoding")
     p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
     add_quant_arg(p, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
-    p.add_argument("--draft-checkpoint", default=None, help="block: a trained drafter's directory "
-                                                            "(make train-drafter writes ~/.cache/specdec/drafter/...)")
+    p.add_argument("--draft-checkpoint", default=None, help="block: a trained drafter's directory (default: the one "
+                   "shipped for the target; make train-drafter writes ~/.cache/specdec/drafter/...)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
     p.add_argument("--acceptance", default="coupled", choices=["rejection", "coupled"],
                    help="for non-greedy requests (greedy requests always accept greedily): coupled gives exactly "

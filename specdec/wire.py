@@ -32,12 +32,29 @@ def mode_from_pb(v: int, default: Mode | None = None) -> Mode | None:
 def item_to_pb(it: DraftItem, with_context: bool = False) -> pb.ProposeItem:
     return pb.ProposeItem(request_id=it.sid, new_tokens=it.new_tokens, committed_len=it.committed_len, gamma=it.gamma,
                           sampling=params_to_pb(it.params), mode=MODE_TO_PB[Mode(it.mode)],
-                          context=it.context if with_context and it.context is not None else [])
+                          context=it.context if with_context and it.context is not None else [],
+                          features=features_to_bytes(it.features), features_start=it.features_start)
 
 
-def item_from_pb(m: pb.ProposeItem) -> DraftItem:
+def item_from_pb(m: pb.ProposeItem, feature_width: int = 0) -> DraftItem:
     return DraftItem(m.request_id, list(m.new_tokens), m.committed_len, m.gamma, params_from_pb(m.sampling),
-                     mode_from_pb(m.mode, Mode.GREEDY), list(m.context) if len(m.context) else None)
+                     mode_from_pb(m.mode, Mode.GREEDY), list(m.context) if len(m.context) else None,
+                     features_from_bytes(m.features, feature_width), m.features_start)
+
+
+def features_to_bytes(rows: torch.Tensor | None) -> bytes:
+    """Hidden-state rows [n, width] -> bfloat16 little-endian bytes (3 layers x 576 = 3,456 bytes a row)."""
+    if rows is None or rows.numel() == 0:
+        return b""
+    return rows.detach().to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy().astype("<i2").tobytes()
+
+
+def features_from_bytes(raw: bytes, width: int) -> torch.Tensor | None:
+    """The inverse ([n, width] float32); None for no bytes. The caller has checked len(raw) % (2 * width) == 0."""
+    if not raw or width <= 0:
+        return None
+    import numpy as np
+    return torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype(np.int16)).view(torch.bfloat16).float().view(-1, width)
 
 
 def dists_to_pb(q: torch.Tensor | SparseRows | None) -> list[pb.DraftDistribution]:

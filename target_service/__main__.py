@@ -128,7 +128,8 @@ async def _serve(args, lm, engine) -> int:
         drafter = NgramDrafter()
     elif args.draft:
         drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000,
-                                token=args.draft_token, tls_ca=args.draft_tls_ca)
+                                token=args.draft_token, tls_ca=args.draft_tls_ca,
+                                target_model=getattr(lm, "model", None))   # hidden states for a block drafter
     store = open_store(args.redis_url or None, namespace=args.redis_namespace, ttl_s=args.state_ttl_s)
     metrics = Metrics(lm.name)
     metrics.store_round_trips.set_function(lambda: getattr(store, "round_trips", 0))

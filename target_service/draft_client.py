@@ -14,6 +14,7 @@ broken or hostile drafter can slow requests down but never fail or corrupt them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -105,10 +106,22 @@ def _converted(m: pb.Proposal, vocab_size: int) -> Proposal:
 
 
 class RemoteDrafter(Drafter):
+    """`target_model`: the target Transformer in this process (embedded backend), the source of hidden states for a
+    drafter that asks for them (ProposeResponse.feature_layers, learned from its first answer): each item then
+    carries the rows of committed positions the draft server has not been sent (its whole window on a resend).
+    Without one (tensor-parallel or SGLang target) such a drafter is unavailable and requests decode plainly."""
+
     def __init__(self, address: str, vocab_size: int, *, deadline_s: float = 1.0, max_message_mb: int = 64,
                  breaker: CircuitBreaker | None = None, token: str | None = None,
-                 tls_ca: bytes | str | os.PathLike | None = None):
+                 tls_ca: bytes | str | os.PathLike | None = None, target_model=None):
         self.address, self.vocab_size, self.deadline_s = address, vocab_size, deadline_s
+        self.target_model = target_model
+        self.feature_layers: tuple[int, ...] = ()
+        self.feature_window = 0
+        self.features = None             # FeatureStore tapped on target_model, once a drafter asks
+        self.sent: dict[str, int] = {}   # sid -> rows of positions < this are on the draft server
+        self.feature_bytes = 0
+        self._dropped: list[str] = []
         opts = [("grpc.max_receive_message_length", max_message_mb << 20),
                 ("grpc.max_send_message_length", max_message_mb << 20)]
         if tls_ca:
@@ -147,16 +160,55 @@ class RemoteDrafter(Drafter):
         return out
 
     def _call(self, items, with_context, deadline) -> list[Proposal | None]:
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        for sid in dropped:
+            self.sent.pop(sid, None)
+            if self.features is not None:
+                self.features.release(sid)
+        if self.features is not None:
+            items = [self._with_features(it, c) for it, c in zip(items, with_context)]
         req = pb.ProposeRequest(items=[wire.item_to_pb(it, c) for it, c in zip(items, with_context)])
+        self.feature_bytes += sum(len(m.features) for m in req.items)
         resp = self.stub.Propose(req, timeout=max(0.001, deadline - time.monotonic()), metadata=self.metadata)
         if len(resp.proposals) != len(items):
             raise BadProposal(f"{len(resp.proposals)} proposals for {len(items)} items")
         for p, it in zip(resp.proposals, items):
             check_proposal(p, it, self.vocab_size)
+        self._learn(tuple(resp.feature_layers), resp.feature_window)
+        for p, it in zip(resp.proposals, items):
+            if p.status == pb.Proposal.OK and it.features is not None:
+                self.sent[it.sid] = it.features_start + it.features.shape[0]
         return [None if p.status == pb.Proposal.NEED_CONTEXT else _converted(p, self.vocab_size)
                 for p in resp.proposals]
 
+    def _learn(self, layers: tuple[int, ...], window: int) -> None:
+        """The drafter says which hidden states it reads; start recording them (once, or when that changes)."""
+        if layers == self.feature_layers and window == self.feature_window:
+            return
+        if self.target_model is None or max(layers, default=0) >= self.target_model.cfg.n_layers or window > 4096:
+            raise BadProposal(f"the drafter needs target hidden states (layers {list(layers)}), which this target "
+                              "cannot send (only the embedded, single-process backend taps its layers)")
+        from specdec.draft.block import FeatureStore
+        if self.features is not None:
+            self.features.untap()
+        self.features = FeatureStore(self.target_model, layers) if layers else None
+        if self.features is not None:
+            self.features.tap(self.target_model)
+        self.feature_layers, self.feature_window, self.sent = layers, window, {}
+
+    def _with_features(self, it: DraftItem, resend: bool) -> DraftItem:
+        """Attach the rows of committed positions lo .. anchor-1 the draft server lacks (its window on a resend)."""
+        a = it.committed_len - 1
+        lo = max(0, a - self.feature_window, 0 if resend else self.sent.get(it.sid, 0))
+        if a <= lo or it.context is None:
+            return it
+        rows = self.features.rows(it.sid, list(it.context), a - lo)
+        return dataclasses.replace(it, features=rows, features_start=lo)
+
     def release(self, sid: str) -> None:
+        with self._lock:               # called off the step's thread: the feature store is freed by the next call
+            self._dropped.append(sid)
         if not self.breaker.allow():
             return  # the server is gone; its sessions with it
         try:

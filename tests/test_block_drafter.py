@@ -168,3 +168,73 @@ def test_cli_generate_with_block_drafter(tiny, trained, capsys):
     rc = main(["generate", "--model", "tiny-llama", "--prompt", "hello world", "--max-tokens", "12",
                "--draft", "block", "--draft-checkpoint", str(trained["block"][1]), "--gamma", "3"])
     assert rc == 0 and "AL" in capsys.readouterr().err
+
+
+def test_served_block_drafter_gets_features_over_grpc(tiny, trained, tmp_path):
+    """The draft server runs the block drafter on hidden states the target sends with each Propose: its drafts equal
+    the in-process drafter's, only new rows travel (whole windows after a lost session: NEED_CONTEXT), and greedy
+    output through it equals plain decoding."""
+    import subprocess
+    import sys
+
+    import grpc
+    from grpc_health.v1 import health_pb2_grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+    from target_service.draft_client import RemoteDrafter
+
+    from .conftest import free_port
+    from .test_draft_service import ROOT, Server
+
+    target, ckpt = tiny.model, str(trained["block"][1])
+    port = free_port()
+    log = open(tmp_path / "draft.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "draft_service", "--drafter", "block", "--target-model",
+                             "tiny-llama", "--draft-checkpoint", ckpt, "--port", str(port)],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    srv = Server.__new__(Server)                      # reuse the health wait on this process
+    srv.port, srv.proc, srv.log, srv.log_path = port, proc, log, tmp_path / "draft.log"
+    srv.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    srv.stub, srv.health = pb_grpc.DrafterStub(srv.channel), health_pb2_grpc.HealthStub(srv.channel)
+    try:
+        srv.wait_serving()
+        width = 2 * len(load_checkpoint(ckpt, target).cfg.layers) * target.cfg.dim   # bytes a row
+        remote = RemoteDrafter(f"127.0.0.1:{port}", target.cfg.vocab_size, deadline_s=30, target_model=target)
+        local = BlockDrafter(load_checkpoint(ckpt, target), target, tap=False)
+        toks = _prompts(96, 1)[0] + [5, 9, 17, 33, 41, 2, 7, 11, 13, 19, 23, 29]
+
+        def item(n, new):
+            return DraftItem("s1", toks[n - new:n], n, 4, context=toks[:n])
+
+        a = remote.propose([item(6, 6)])[0]          # first call: the drafter says which layers, then the window
+        assert remote.feature_layers and a is not None
+        b = local.propose([item(6, 6)])[0]
+        assert (a.tokens, a.anchor) == (b.tokens, b.anchor)
+        sent = remote.feature_bytes
+        assert sent == 5 * width                      # positions 0..4 (the anchor's row is never needed)
+        a = remote.propose([item(9, 3)])[0]           # three more committed: only their rows travel
+        assert remote.feature_bytes - sent == 3 * width
+        assert a.tokens == local.propose([item(9, 3)])[0].tokens
+        srv.stub.Release(pb.ReleaseRequest(request_ids=["s1"]), timeout=10)   # the server forgets the session
+        sent = remote.feature_bytes
+        a = remote.propose([item(11, 2)])[0]          # 2 new rows, NEED_CONTEXT, then the whole window again
+        assert a is not None and a.tokens == local.propose([item(11, 2)])[0].tokens
+        assert remote.feature_bytes - sent == 2 * width + min(10, 8) * width
+        remote.release("s1")
+        local.close()
+        # whole generations through the server: greedy output is plain decoding's, and drafts were accepted
+        prompts = _prompts(96, 6)
+        ref = _target_only(target, prompts, SamplingParams(), 20)
+        remote2 = RemoteDrafter(f"127.0.0.1:{port}", target.cfg.vocab_size, deadline_s=30, target_model=target)
+        outs = _spec(target, remote2, prompts, SamplingParams(), 20, gamma=4)
+        remote2.features.untap()
+        assert [o.tokens for o in outs] == ref
+        assert sum(o.stats.accepted for o in outs) > 0
+        # each committed position's row travels at most once (new rows per step, never the window again)
+        assert 0 < remote2.feature_bytes <= sum(len(p) + 20 for p in prompts) * width
+    finally:
+        srv.channel.close()
+        proc.kill()
+        proc.wait(10)
+        log.close()

@@ -7,17 +7,20 @@ from ..speculative.propose import Drafter
 
 def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 16384, skip: str | None = None,
                  batch_invariant: bool = True, device: str = "cpu", checkpoint: str | None = None,
-                 quant: str | None = None) -> Drafter:
+                 quant: str | None = None, features: str = "local") -> Drafter:
     """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), or any model name/path.
-    batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs."""
+    batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs.
+    features: block only, "local" (tap the target in this process) or "wire" (the target sends them: draft server)."""
     if name == "ngram":
         from .ngram import NgramDrafter
         return NgramDrafter()
     if name == "block":   # trained drafter on the target's hidden states (block or eagle kind, from its config)
         from .block import BlockDrafter, load_checkpoint
-        if target_model is None or checkpoint is None:
-            raise ValueError("block needs the target model and a checkpoint (--draft-checkpoint)")
-        return BlockDrafter(load_checkpoint(checkpoint, target_model), target_model, kv_tokens=kv_tokens)
+        if target_model is None:
+            raise ValueError("block needs the target model")
+        checkpoint = checkpoint or shipped_checkpoint(target_model)
+        return BlockDrafter(load_checkpoint(checkpoint, target_model), target_model, kv_tokens=kv_tokens,
+                            features=features)
     from .model import ModelDrafter, layer_skip
     if name == "layer-skip":
         if target_model is None:
@@ -27,3 +30,19 @@ def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 1
     from ..engine.registry import load
     # quant: a draft model's own --draft-quant (layer-skip and block run on the target's weights as loaded)
     return ModelDrafter(load(name, dtype, quant=quant).model.to(device), kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)
+
+
+CHECKPOINTS = __import__("pathlib").Path(__file__).parent / "checkpoints"
+
+
+def shipped_checkpoint(target_model) -> str:
+    """The trained block drafter shipped for this target (specdec/draft/checkpoints/<model>), matched by shape."""
+    from ..errors import SpecdecError
+    import json
+    c = target_model.cfg
+    for d in sorted(CHECKPOINTS.glob("*/config.json")):
+        cfg = json.loads(d.read_text())
+        if (cfg["target_dim"], cfg["target_vocab"]) == (c.dim, c.vocab_size):
+            return str(d.parent)
+    raise SpecdecError("no trained block drafter ships for this target", field="draft_checkpoint",
+                       remedy="train one (make train-drafter) and pass its directory with --draft-checkpoint")

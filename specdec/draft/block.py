@@ -18,10 +18,14 @@ Confidence per slot: a learned head, sigmoid(conf(norm(z_j))) ~ P(target agrees 
 
 Features reach the drafter through `FeatureStore`: in process it taps the target Transformer's forward (prefill and
 verify rows of committed tokens are recorded by KV sequence and position; nothing is recomputed); any positions it
-lacks are recomputed on a private engine over the target's first max(layers)+1 layers (weights shared).
+lacks are recomputed on a private engine over the target's first max(layers)+1 layers (weights shared). Behind the
+draft server (`features="wire"`) the target runs that FeatureStore and sends each session's new rows with Propose
+(bfloat16, 2 * len(layers) * dim bytes a row: 3,456 for SmolLM2); the server keeps each session's window
+(`WireFeatures`) and answers NEED_CONTEXT when rows are missing (restart, eviction), and the target resends its window.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -231,6 +235,12 @@ def load_checkpoint(path: str | Path, target: Transformer, dtype=torch.float32) 
 
 
 # ------------------------------------------------------------------------------------------------ features
+def _as_sent(rows: torch.Tensor) -> torch.Tensor:
+    """Feature rows rounded to bfloat16 (as stored for training and sent over the wire), held as float32: the drafter
+    sees the same bits in process and behind the draft server."""
+    return rows.to(torch.bfloat16).float()
+
+
 class FeatureStore:
     """Target hidden states of `layers` by token prefix. `tap(target)` records every forward the target runs (per KV
     sequence, by position; a forward starting at position s drops what was recorded from s on, as the KV does), so
@@ -259,7 +269,7 @@ class FeatureStore:
         def forward(tokens, layout, kv, logit_rows=None, hidden_layers=(), kernels=None):
             want = tuple(sorted(set(hidden_layers) | set(layers)))
             logits, hidden = orig(tokens, layout, kv, logit_rows, want, kernels)
-            feats = torch.cat([hidden[i] for i in layers], -1).float()
+            feats = _as_sent(torch.cat([hidden[i] for i in layers], -1))
             for s in layout.seqs:
                 key = int(s.read_slots[0])                            # KV slot of position 0: names the sequence
                 start = s.read_slots.numel() - s.n
@@ -311,7 +321,7 @@ class FeatureStore:
         have, rows = have[:keep], rows[:keep]
         if len(need) > keep:
             out = self.engine.forward([SeqInput(seq, need[keep:], start=keep, logits="last")], self.layers)
-            rows += list(torch.cat([out.hidden[i] for i in self.layers], -1).float())
+            rows += list(_as_sent(torch.cat([out.hidden[i] for i in self.layers], -1)))
             self.recomputed += len(need) - keep
             have = list(need)
         self.own[sid] = (seq, have, rows)
@@ -327,17 +337,63 @@ class FeatureStore:
             self.engine.release(seq)
 
 
+class WireFeatures:
+    """The draft server's copy of each session's target hidden states, as the target sends them with Propose (only
+    rows it has not sent before): the last `window` committed positions per session, sessions evicted LRU. A session
+    without every row its window needs is answered NEED_CONTEXT, and the target resends its whole window."""
+
+    def __init__(self, window: int, max_sessions: int = 4096):
+        self.window, self.max_sessions = window, max_sessions
+        self.sessions: collections.OrderedDict[str, dict[int, torch.Tensor]] = collections.OrderedDict()
+        self.received_rows = 0
+
+    def add(self, sid: str, start: int, rows: torch.Tensor) -> None:
+        have = self.sessions.pop(sid, {})
+        for i, r in enumerate(rows):
+            have[start + i] = r
+        self.received_rows += rows.shape[0]
+        top = max(have) + 1 if have else 0
+        self.sessions[sid] = {p: r for p, r in have.items() if p >= top - self.window}
+        while len(self.sessions) > self.max_sessions:
+            self.sessions.popitem(last=False)
+
+    def rows(self, sid: str, toks: list[int], n: int) -> torch.Tensor | None:
+        """Rows of positions a-n..a-1 (a = anchor position, clipped at 0), or None if any is missing."""
+        have = self.sessions.get(sid)
+        a = len(toks) - 1
+        if have is None:
+            return None if a > 0 else torch.zeros(0, 0)
+        self.sessions.move_to_end(sid)
+        need = range(max(0, a - n), a)
+        if any(p not in have for p in need):
+            return None
+        return torch.stack([have[p] for p in need]) if len(need) else torch.zeros(0, 0)
+
+    def release(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+
+
 # ------------------------------------------------------------------------------------------------ the drafter
 class BlockDrafter(Drafter):
-    def __init__(self, model: BlockDraftModel, target: Transformer, *, tap: bool = True, kv_tokens: int = 8192):
+    """features="local": in process, hidden states come from a FeatureStore tapped on the target's forward.
+    features="wire": in the draft server, the target sends them with each Propose (WireFeatures); `target` is then
+    only the source of the frozen embedding, vocabulary and context length."""
+
+    def __init__(self, model: BlockDraftModel, target: Transformer, *, tap: bool = True, kv_tokens: int = 8192,
+                 features: str = "local"):
         self.model = model.eval()
         self.cfg = model.cfg
         self.name = f"block-{self.cfg.kind}"
         self.V = target.cfg.vocab_size
         self.max_len = target.cfg.max_seq_len
-        self.feats = FeatureStore(target, self.cfg.layers, kv_tokens=kv_tokens)
-        if tap:
-            self.feats.tap(target)
+        self.wire = features == "wire"
+        if self.wire:
+            self.feats = WireFeatures(self.cfg.window)
+            self.feature_layers, self.feature_window = tuple(self.cfg.layers), self.cfg.window
+        else:
+            self.feats = FeatureStore(target, self.cfg.layers, kv_tokens=kv_tokens)
+            if tap:
+                self.feats.tap(target)
         self.tokens = SessionTokens()
         self.forward_ms: list[float] = []
 
@@ -345,12 +401,17 @@ class BlockDrafter(Drafter):
     def vocab_size(self) -> int:
         return self.V
 
+    @property
+    def feature_width(self) -> int:
+        return len(self.cfg.layers) * self.cfg.dim if self.wire else 0
+
     def release(self, sid: str) -> None:
         self.tokens.drop(sid)
         self.feats.release(sid)
 
     def close(self) -> None:
-        self.feats.untap()
+        if not self.wire:
+            self.feats.untap()
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
         out: list[Proposal | None] = [None] * len(items)
@@ -360,13 +421,18 @@ class BlockDrafter(Drafter):
                 toks = self.tokens.sync(it)
             except SessionLost:
                 continue
+            if self.wire and it.features is not None:
+                self.feats.add(it.sid, it.features_start, it.features)
             gamma = max(0, min(it.gamma, self.cfg.gamma, self.max_len - len(toks)))
             if gamma == 0 or len(toks) < 2:
                 out[k] = Proposal(anchor=toks[-1], tokens=[], confidence=[])
-            else:
-                live.append((k, it, toks, gamma))
+                continue
+            rows = self.feats.rows(it.sid, toks, self.cfg.window)      # positions a-n .. a-1
+            if rows is None:                                           # wire: rows missing -> NEED_CONTEXT
+                continue
+            live.append((k, it, toks, gamma, rows))
         if live:
-            for k, prop in zip([k for k, *_ in live], self._draft(live)):
+            for k, prop in zip([x[0] for x in live], self._draft(live)):
                 out[k] = prop
         return out
 
@@ -375,20 +441,19 @@ class BlockDrafter(Drafter):
         import time
         t0 = time.perf_counter()
         c, m = self.cfg, self.model
-        W, B, G = c.window, len(live), max(g for *_, g in live)
+        W, B, G = c.window, len(live), max(g for _, _, _, g, _ in live)
         dt = m.fc.weight.dtype
         feats = torch.zeros(B, W, len(c.layers) * c.dim)
         nxt = torch.zeros(B, W, dtype=torch.long)
         valid = torch.zeros(B, W, dtype=torch.bool)
-        for b, (_, it, toks, _) in enumerate(live):
-            r = self.feats.rows(it.sid, toks, W)                       # positions a-n .. a-1
+        for b, (_, it, toks, _, r) in enumerate(live):
             n = r.shape[0]
             if n:
                 feats[b, W - n:] = r
                 nxt[b, W - n:] = torch.tensor(toks[len(toks) - n:])    # tok_{p+1} for each p
                 valid[b, W - n:] = True
         feats = feats.to(dt)
-        anchors = torch.tensor([toks[-1] for _, _, toks, _ in live])
+        anchors = torch.tensor([toks[-1] for _, _, toks, _, _ in live])
         ids = m.vocab_ids
         drafted = [[] for _ in live]
         confs = [[] for _ in live]
@@ -406,7 +471,7 @@ class BlockDrafter(Drafter):
                 lg, cf = m.logits_conf(z)
             lg, cf = lg.double(), torch.sigmoid(cf.double())
             nxt_prev = prev.clone()
-            for b, (_, it, toks, gamma) in enumerate(live):
+            for b, (_, it, toks, gamma, _) in enumerate(live):
                 if j >= gamma:
                     continue
                 pos = len(toks) - 1 + j + 1                            # slot j+1 predicts anchor_pos + j + 1
@@ -426,7 +491,7 @@ class BlockDrafter(Drafter):
                 x = torch.cat([x, (m.recur(z) + m.emb(prev).to(z.dtype))[:, None]], 1)
                 v = torch.cat([v, v.new_ones(B, 1)], 1)
         props = []
-        for b, (_, it, toks, gamma) in enumerate(live):
+        for b, (_, it, toks, gamma, _) in enumerate(live):
             q = None
             if qs[b] and it.mode is Mode.REJECTION:
                 k = len(qs[b])

@@ -30,6 +30,8 @@ class DraftItem:
     params: SamplingParams = SamplingParams()
     mode: Mode = Mode.GREEDY
     context: list[int] | None = None
+    features: torch.Tensor | None = None   # target hidden-state rows of positions features_start.. (feature drafters)
+    features_start: int = 0
 
 
 @dataclasses.dataclass
@@ -71,6 +73,12 @@ class Drafter(abc.ABC):
     """Proposes draft blocks for many sessions at once and keeps each session in sync with what was committed."""
 
     name: str = "drafter"
+    feature_layers: tuple[int, ...] = ()   # target layers whose hidden states the drafter reads (over the wire)
+    feature_window: int = 0                # committed positions before the anchor it reads
+
+    @property
+    def feature_width(self) -> int:
+        return 0
 
     @abc.abstractmethod
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
