@@ -66,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
                          "the drafter) or rejection (a few %% more accepted drafts; its seeded text depends on the "
                          "proposals, gamma and draft outages)")
     ap.add_argument("--verify", default=env("VERIFY", "compact"), choices=["compact", "padded"])
+    ap.add_argument("--planner", default=env("PLANNER", "cost"), choices=["cost", "full"],
+                    help="cost: verify per request what pays, from the drafter's confidences (calibrated online) and "
+                         "the verify cost profiled at start-up, with adaptive gamma (greedy and coupled requests; "
+                         "rejection requests verify every draft); full: verify every draft")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                     default=env_flag("BATCH_INVARIANT", True),
                     help="a row's logits do not depend on the rest of the forward, so seeded output is exactly "
@@ -138,7 +142,13 @@ async def _serve(args, lm, engine) -> int:
                           step_delay_s=args.fault_step_delay_ms / 1000, request_timeout_s=args.request_timeout_s)
     if args.instance_id:
         cfg.instance_id = args.instance_id
-    sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace)
+    planner = None
+    if drafter is not None and args.planner == "cost":
+        from specdec.engine.engine import Engine
+        from specdec.speculative.plan import ServicePlanner, profile_cost
+        if isinstance(engine, Engine):      # the cost table is profiled on the engine (a few forwards)
+            planner = ServicePlanner(profile_cost(engine))
+    sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace, planner=planner)
     svc = TargetService(engine, sched, store, lm.tokenizer, model_name=lm.name, draft_name=draft_name,
                         gamma=args.gamma, mode=args.acceptance, metrics=metrics,
                         **({"caps": engine.caps} if hasattr(engine, "caps") else {}))   # what this backend honours

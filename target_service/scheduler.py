@@ -132,8 +132,10 @@ def _merge(infos: list[StepInfo]) -> StepInfo:
 
 class Scheduler:
     def __init__(self, engine: Backend, drafter: Drafter | None, store: StateStore, tokenizer,
-                 cfg: SchedulerConfig = SchedulerConfig(), metrics=None, trace=None):
+                 cfg: SchedulerConfig = SchedulerConfig(), metrics=None, trace=None, planner=None):
+        """planner: verify_len per request (speculative/plan.py's ServicePlanner); None verifies every draft."""
         self.engine, self.drafter, self.store, self.tok = engine, drafter, store, tokenizer
+        self.planner = planner or plan_full
         self.cfg, self.metrics, self.trace = cfg, metrics, trace
         self.waiting: list[Job] = []
         self.running: list[Job] = []
@@ -290,7 +292,7 @@ class Scheduler:
         whether the step had to be rerun)."""
         snaps = [_Snapshot.take(r) for r in reqs]
         try:
-            return speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=plan_full), [], False
+            return speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=self.planner), [], False
         except BackendDead:        # no rerun can help: the whole backend is gone
             self._undo(reqs, snaps)
             raise
@@ -516,6 +518,10 @@ class Scheduler:
                 if j.req.seq >= 0 and self.engine.has_sequence(j.req.seq):
                     self.engine.release(j.req.seq)
                 j.req.seq = -1
+        forget = getattr(self.planner, "forget", None)
+        for j in jobs:
+            if forget is not None:
+                forget(j.rid)
         if self.drafter is not None:
             await asyncio.to_thread(self._release_drafts, [j.rid for j in jobs])
 

@@ -76,3 +76,27 @@ def test_planner_in_the_loop_is_lossless_and_compact_rows_match():
     assert all(info.rows == sum(info.verify_len) for info in gen.steps)      # compact: rows == sum(verify_len)
     assert any(len(set(info.verify_len)) > 1 for info in gen.steps)          # the planner mixes lengths
     assert sum(planner.cal.tried) > 0 and planner.alpha
+
+
+def test_service_planner_leaves_rejection_requests_full_blocks():
+    """The service's planner plans greedy/coupled requests by cost and adapts their gamma, but a rejection-sampled
+    request (whose seeded text depends on its blocks) always drafts its own gamma and verifies every draft."""
+    from specdec.speculative.plan import ServicePlanner
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    planner = ServicePlanner(CostTable.linear(1.0, 5.0), fixed_ms=0.0, draft_ms_per_token=2.0)
+    reqs = [SpecRequest("g", [1], SamplingParams(), 50, Mode.GREEDY, 6),
+            SpecRequest("c", [1], SamplingParams(temperature=0.7, seed=1), 50, Mode.COUPLED, 6),
+            SpecRequest("r", [1], SamplingParams(temperature=0.7, seed=1), 50, Mode.REJECTION, 6)]
+    props = [Proposal(1, [2] * 6, [0.05] * 6) for _ in reqs]      # confident of nothing: not worth verifying
+    assert planner(reqs, props) == [1, 1, 7]
+    for _ in range(planner.explore_every - 2):
+        assert planner(reqs, props) == [1, 1, 7]
+    assert planner(reqs, props) == [2, 2, 7]        # every explore_every-th idle step verifies one draft
+    for r in reqs:
+        planner.alpha[r.rid] = 0.05                                 # a history of rejections
+    assert [planner.gamma(r) for r in reqs] == [1, 1, 6]
+    planner.forget("g")
+    assert "g" not in planner.alpha

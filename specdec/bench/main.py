@@ -37,9 +37,10 @@ def table(rows: list[tuple[str, dict]]) -> str:
 
 
 class HFAssisted:
-    """transformers' assisted generation on exactly our weights (exported dense), greedy, batch 1: the peer."""
+    """transformers' assisted generation on exactly our weights (exported dense), greedy, batch 1: the peer. With no
+    draft model, its prompt-lookup decoding (`prompt_lookup_num_tokens=lookup`)."""
 
-    def __init__(self, target_model, draft_model):
+    def __init__(self, target_model, draft_model=None, lookup: int = 0):
         import tempfile
 
         from transformers import AutoModelForCausalLM
@@ -47,10 +48,13 @@ class HFAssisted:
         from ..engine.loader import save_hf_dir
         with tempfile.TemporaryDirectory() as d:
             save_hf_dir(target_model, d + "/t")
-            save_hf_dir(draft_model, d + "/d")
             dtype = target_model.embed.weight.dtype
             self.t = AutoModelForCausalLM.from_pretrained(d + "/t", dtype=dtype).eval()
-            self.a = AutoModelForCausalLM.from_pretrained(d + "/d", dtype=dtype).eval()
+            self.a = None
+            if draft_model is not None:
+                save_hf_dir(draft_model, d + "/d")
+                self.a = AutoModelForCausalLM.from_pretrained(d + "/d", dtype=dtype).eval()
+        self.extra = {"assistant_model": self.a} if self.a is not None else {"prompt_lookup_num_tokens": lookup}
         self.tokens, self.wall = 0, 0.0
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> None:
@@ -59,14 +63,16 @@ class HFAssisted:
         with torch.inference_mode():
             for p in prompts:
                 ids = torch.tensor([p])
-                out = self.t.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=self.a,
+                out = self.t.generate(ids, attention_mask=torch.ones_like(ids), **self.extra,
                                       max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
                                       pad_token_id=0)
                 self.tokens += out.shape[1] - ids.shape[1]
         self.wall += time.perf_counter() - t0
 
     def result(self) -> dict:
-        return {"tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / self.wall}
+        return {"kind": "assisted generation" if self.a is not None else
+                f"prompt lookup ({self.extra['prompt_lookup_num_tokens']})",
+                "tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / self.wall}
 
 
 def cmd_bench(args) -> int:
@@ -98,8 +104,17 @@ def cmd_bench(args) -> int:
         if target is None and (args.draft == "layer-skip" or args.peer_hf):   # TP: no process holds it whole
             from ..engine.registry import load
             target = load(args.target, args.dtype, quant=args.quant).model
-        drafter = make_drafter(args.draft, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
-                               batch_invariant=args.batch_invariant, device=args.device, quant=args.draft_quant)
+        if target is None and any(n.split(":")[0] == "block" for n in args.draft.split(",")):
+            from ..engine.registry import load
+            target = load(args.target, args.dtype, quant=args.quant).model
+        drafters = {}
+        for name in args.draft.split(","):     # several drafters: compared in one interleaved run
+            kind, _, ckpt = name.partition(":")   # block:DIR -> a trained drafter's checkpoint
+            drafters[name] = make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
+                                          skip=args.draft_layers, batch_invariant=args.batch_invariant,
+                                          device=args.device, quant=args.draft_quant,
+                                          checkpoint=ckpt or args.draft_checkpoint)
+        drafter = next(iter(drafters.values()))
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                       mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
@@ -107,19 +122,21 @@ def cmd_bench(args) -> int:
         run_inprocess(engine, drafter, prompts[:1], gamma=gammas[0], layout=layouts[0],
                       **{**common, "max_tokens": 4})  # warm-up
         cost = profile_cost(engine) if args.planner == "cost" else None   # SPS table, profiled once
+        for d in list(drafters.values())[1:]:
+            run_inprocess(engine, d, prompts[:1], gamma=gammas[0], layout=layouts[0], **{**common, "max_tokens": 4})
         configs = [("baseline (speculation off)", None, 1, None, "compact")] + [
-            (f"{args.draft} gamma={g}" + (f" {lay}" if len(layouts) > 1 else "") +
-             (" +planner" if cost else ""), drafter, g, CostPlanner(cost) if cost else None, lay)
-            for g in gammas for lay in layouts]
+            (f"{dn} gamma={g}" + (f" {lay}" if len(layouts) > 1 else "") +
+             (" +planner" if cost else ""), d, g, CostPlanner(cost) if cost else None, lay)
+            for dn, d in drafters.items() for g in gammas for lay in layouts]
         # Interleaved: each batch of prompts runs under every configuration before the next batch, so drifting
         # machine load (this CPU is shared) hits the baseline and the speculative runs alike.
         acc = {name: ([], [], 0.0) for name, *_ in configs}
         hf = None
         if args.peer_hf:
             from ..draft.model import ModelDrafter
-            if not isinstance(drafter, ModelDrafter):
-                raise SystemExit("--peer-hf needs a model drafter (a model name or layer-skip)")
-            hf = HFAssisted(target, drafter.engine.model)
+            model_drafters = [d for d in drafters.values() if isinstance(d, ModelDrafter)]
+            # with a model drafter: assisted generation with that model; otherwise prompt-lookup decoding
+            hf = HFAssisted(target, model_drafters[0].engine.model if model_drafters else None, lookup=gammas[0])
             hf.run(prompts[:1], 4)     # warm-up
             hf.tokens, hf.wall = 0, 0.0
         llamas = {}
@@ -164,7 +181,7 @@ def cmd_bench(args) -> int:
             print(f"{k:<28}{v['tokens_per_s']:>14.1f}   ours baseline / it = {base_tps / v['tokens_per_s']:.2f}x, "
                   f"ours best / it = {best / v['tokens_per_s']:.2f}x")
     if peer:
-        print(f"transformers assisted generation: {peer['tokens_per_s']:.1f} tokens/s; "
+        print(f"transformers {peer['kind']}: {peer['tokens_per_s']:.1f} tokens/s; "
               f"specdec best / transformers = {peer['ours_over_hf']:.2f}x")
     out = {"args": {k: v for k, v in vars(args).items() if k != "func"},
            "runs": {k: {f: x for f, x in v.items() if not f.startswith("_")} for k, v in results.items()},
@@ -219,7 +236,9 @@ def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmark speculative decoding against target-only decoding")
     b.add_argument("--url", default=None, help="a running stack's REST base URL; unset = in process")
     b.add_argument("--target", default="smollm2-135m")
-    b.add_argument("--draft", default="ngram", help="in process: ngram | layer-skip | a draft model")
+    b.add_argument("--draft", default="ngram", help="in process: ngram | layer-skip | block[:DIR] | a draft model; "
+                   "comma-separated: each one in the same interleaved run")
+    b.add_argument("--draft-checkpoint", default=None, help="block: the trained drafter (default: the shipped one)")
     b.add_argument("--draft-layers", default=None)
     b.add_argument("--dtype", default=None)
     b.add_argument("--kv-tokens", type=int, default=65536)
@@ -242,7 +261,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=None)
     b.add_argument("--threads", type=int, default=0)
-    b.add_argument("--peer-hf", action="store_true", help="also run transformers assisted generation")
+    b.add_argument("--peer-hf", action="store_true", help="also run transformers assisted generation (with the "
+                   "model drafter) or, without one, its prompt-lookup decoding (prompt_lookup_num_tokens = gamma)")
     b.add_argument("--peer-llamacpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python, `make peers`) on the target's GGUF, interleaved: plain "
                         "decoding and its prompt-lookup speculation (needs --ignore-eos, greedy, concurrency 1)")

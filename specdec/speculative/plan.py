@@ -23,6 +23,7 @@ import math
 import time
 from typing import Sequence
 
+from .accept import Mode
 from .propose import Proposal
 
 
@@ -159,11 +160,13 @@ class CostPlanner:
 
     def __init__(self, cost: CostTable, *, fixed_ms: float = 0.0, draft_ms_per_token: float = 0.0,
                  adaptive_gamma: bool = True, calibration: Calibration | None = None, ema: float = 0.2,
-                 learn_costs: bool = True):
+                 learn_costs: bool = True, explore_every: int = 8):
         self.cost, self.fixed_ms, self.draft_ms = cost, fixed_ms, draft_ms_per_token
         self.learn_costs = learn_costs
         self.adaptive_gamma, self.cal, self.ema = adaptive_gamma, calibration or Calibration(), ema
         self.alpha: dict[str, float] = {}
+        self.idle: dict[str, int] = {}        # steps since a request last verified a draft
+        self.explore_every = explore_every
 
     def gamma(self, r) -> int:
         """Block length to ask the drafter for: adaptive to the request's acceptance history."""
@@ -175,7 +178,22 @@ class CostPlanner:
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
         caps = [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) for r, p in zip(reqs, props)]
         probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
-        return best_plan(probs, caps, self.cost, self.fixed_ms)
+        vlen = best_plan(probs, caps, self.cost, self.fixed_ms)
+        # Exploration: a request whose drafts have not been verified for `explore_every` steps verifies one, so the
+        # calibration keeps learning (a pessimistic start would otherwise never be corrected).
+        for i, (r, cap) in enumerate(zip(reqs, caps)):
+            if vlen[i] > 1 or cap < 2:
+                self.idle.pop(r.rid, None)
+                continue
+            self.idle[r.rid] = self.idle.get(r.rid, 0) + 1
+            if self.idle[r.rid] >= self.explore_every:
+                vlen[i], self.idle[r.rid] = 2, 0
+        return vlen
+
+    def forget(self, rid: str) -> None:
+        """A finished request's acceptance history (a long-running service would otherwise keep every one)."""
+        self.alpha.pop(rid, None)
+        self.idle.pop(rid, None)
 
     def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int],
                 draft_ms: float | None = None, verify_ms: float | None = None) -> None:
@@ -194,3 +212,22 @@ class CostPlanner:
             tried = a + (a < v - 1)
             prev = self.alpha.get(r.rid, 0.5)
             self.alpha[r.rid] = (1 - self.ema) * prev + self.ema * (a / tried)
+
+
+class ServicePlanner(CostPlanner):
+    """The service's default planner: the cost plan (and adaptive gamma) for requests whose output cannot depend on
+    how much is verified -- greedy and coupled, which emit exactly plain decoding's tokens whatever the blocks -- and
+    every draft verified, at the requested gamma, for rejection-sampled requests, whose seeded text depends on the
+    blocks: their blocks must not depend on what the planner learned from other requests, or a replay would differ."""
+
+    @staticmethod
+    def _fixed(r) -> bool:
+        return Mode(r.mode) is Mode.REJECTION and not r.params.greedy
+
+    def gamma(self, r) -> int:
+        return r.gamma if self._fixed(r) else super().gamma(r)
+
+    def __call__(self, reqs, props: list[Proposal]) -> list[int]:
+        vlen = super().__call__(reqs, props)
+        return [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) if self._fixed(r) else v
+                for r, p, v in zip(reqs, props, vlen)]
