@@ -223,6 +223,13 @@ def test_served_block_drafter_gets_features_over_grpc(tiny, trained, tmp_path):
         assert remote.feature_bytes - sent == 2 * width + min(10, 8) * width
         remote.release("s1")
         local.close()
+        # malformed rows are refused by field before anything is stored
+        for change, field in ((dict(features=b"\x00" * (width + 2)), "items[0].features"),
+                              (dict(features=b"\x00" * width, features_start=5), "items[0].features_start")):
+            bad = pb.ProposeItem(request_id="s2", new_tokens=toks[:6], committed_len=6, gamma=2, **change)
+            with pytest.raises(grpc.RpcError) as e:
+                srv.stub.Propose(pb.ProposeRequest(items=[bad]), timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
         # whole generations through the server: greedy output is plain decoding's, and drafts were accepted
         prompts = _prompts(96, 6)
         ref = _target_only(target, prompts, SamplingParams(), 20)

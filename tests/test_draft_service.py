@@ -179,6 +179,7 @@ def test_unknown_session_needs_context_then_release(model_server, draft_model):
     (dict(context=[1, 2, 3]), "items[1].context"),                         # length != committed_len
     (dict(request_id=""), "items[1].request_id"),
     (dict(request_id="v-good"), "items[1].request_id"),                    # twice in one call
+    (dict(features=b"\x00\x01"), "items[1].features"),                    # this drafter reads no hidden states
 ])
 def test_invalid_input_is_refused_by_field(model_server, change, field):
     good = pb.ProposeItem(request_id="v-good", new_tokens=[1, 2, 3], committed_len=3, gamma=2)

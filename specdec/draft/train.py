@@ -295,7 +295,7 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
         lr: float = 1e-3, gamma: int = 8, window: int = 16, draft_vocab: int = 8192, n_layers: int = 1,
         ffn_dim: int = 1536, seed: int = 0, max_minutes: float | None = None, eval_every: int = 500,
         target=None, dtype=torch.float32, save_every: int = 200, stop_after: int | None = None,
-        ckpt: Path | None = None) -> dict:
+        ckpt: Path | None = None, autocast: bool = False) -> dict:
     """Train on out/data; checkpoint to `ckpt` (default out/kind). Resumes from ckpt/state.pt when present.
     stop_after: end (with a checkpoint) after this many steps of this call (tests of resume)."""
     from tqdm import tqdm
@@ -343,7 +343,8 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
         anchors = ds.train[torch.randint(len(ds.train), (batch,), generator=g)]
         for grp in opt.param_groups:
             grp["lr"] = _lr(step, steps, lr, warmup=min(100, steps // 10))
-        loss, hit, _ = loss_fn(model, ds, anchors, to_draft)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and dtype == torch.float32):
+            loss, hit, _ = loss_fn(model, ds, anchors, to_draft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -380,10 +381,30 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     return metrics
 
 
+def ship(ckpt: Path, model: str) -> Path:
+    """The checkpoint in bf16 (weights are trained in fp32; the drafter loads them back to fp32: bf16 storage halves
+    the file and changes no draft the tests depend on -- exactness holds for any drafter), with its config and
+    metrics (training history dropped), under specdec/draft/checkpoints/<model>."""
+    from safetensors.torch import load_file, save_file
+    from . import CHECKPOINTS
+    dest = CHECKPOINTS / model
+    dest.mkdir(parents=True, exist_ok=True)
+    w = load_file(str(ckpt / "drafter.safetensors"))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in w.items()},
+              str(dest / "drafter.safetensors"))
+    (dest / "config.json").write_text((ckpt / "config.json").read_text())
+    m = json.loads((ckpt / "metrics.json").read_text())
+    m.pop("history", None)
+    (dest / "metrics.json").write_text(json.dumps(m, indent=1))
+    return dest
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["data", "fit", "all"])
+    ap.add_argument("what", choices=["data", "fit", "all", "ship"],
+                    help="ship: copy the trained block drafter (bf16) into specdec/draft/checkpoints/MODEL, the one "
+                         "`--draft block` uses by default")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default=None, help="default ~/.cache/specdec/drafter/MODEL")
     ap.add_argument("--tokens", type=int, default=1_000_000, help="target tokens of data (fed positions)")
@@ -402,6 +423,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--autocast", action=argparse.BooleanOptionalAction, default=True,
+                    help="train the fp32 drafter under bf16 autocast (2.35x faster per step on an AVX-512 bf16 CPU)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -412,11 +435,15 @@ def main(argv=None) -> int:
                             seed=a.seed, max_minutes=a.data_minutes)
         print(f"data: {man['tokens']} tokens in {man['docs']} documents, {man['gen_seconds']:.0f}s of generation "
               f"({man['tokens'] / max(man['gen_seconds'], 1e-9):.0f} tok/s) under {out / 'data'}")
+    if a.what == "ship":
+        dest = ship(out / a.kind.split(",")[0], a.model)
+        print(f"shipped {out / a.kind.split(',')[0]} -> {dest}")
+        return 0
     if a.what in ("fit", "all"):
         for kind in a.kind.split(","):
             m = fit(out, model_name=a.model, kind=kind, steps=a.steps, batch=a.batch, lr=a.lr, gamma=a.gamma,
                     window=a.window, draft_vocab=a.draft_vocab, seed=a.seed, max_minutes=a.train_minutes,
-                    eval_every=a.eval_every)
+                    eval_every=a.eval_every, autocast=a.autocast)
             print(f"{kind}: {m['steps']} steps in {m['train_seconds']:.0f}s; held-out top-1 per slot "
                   f"{m['heldout'].get('top1_per_slot')}, greedy AL {m['heldout_greedy'].get('accept_len')}; "
                   f"checkpoint {out / kind}")
