@@ -82,8 +82,10 @@ clean:
 
 # The trained drafter (issue 14): the target's own greedy / T=0.7 continuations of template prompts with its hidden
 # states (>= 1M tokens, cached and resumable under ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and
-# the EAGLE-style baseline trained on them (checkpoint + config + metrics next to the data). Rerunning resumes.
+# the EAGLE-style baseline trained on them (checkpoint + config + metrics next to the data); then the block drafter is
+# shipped into specdec/draft/checkpoints/$(MODEL) (bf16, committed). Rerunning resumes. About 2 hours here.
 # Small runs: TRAIN_ARGS="--tokens 20000 --steps 300 --data-minutes 10 --train-minutes 5".
 train-drafter: install
 	nice -n 19 $(BIN)/python -m specdec.draft.train all --model $(MODEL) --kind block,eagle --tokens 1000000 \
-		--data-minutes 90 --train-minutes 20 $(TRAIN_ARGS)
+		--gen-batch 32 --steps 5500 --data-minutes 150 --train-minutes 16 $(TRAIN_ARGS)
+	nice -n 19 $(BIN)/python -m specdec.draft.train ship --model $(MODEL) --kind block

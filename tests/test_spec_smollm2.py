@@ -103,3 +103,17 @@ def test_steps_without_drafts_are_plain_seeded_decoding(smollm2, prompts, seeded
         outs = run(smollm2, ProposesNothing(), reqs, gamma=4,
                    mode=Mode.REJECTION if how.startswith("rejection") else Mode.COUPLED)
     assert [o.tokens for o in outs] == seeded_ref[sampling]
+
+
+def test_trained_block_drafter_is_exact(smollm2, prompts, greedy_ref, seeded_ref):
+    """The shipped trained drafter (specdec/draft/checkpoints/smollm2-135m): greedy output is target-only output and
+    coupled output is plain seeded decoding, bitwise, and it drafts tokens that are accepted."""
+    d = make_drafter("block", smollm2.model)
+    try:
+        outs = run(smollm2, d, [GenRequest(p, SamplingParams(), TOKENS) for p in prompts], gamma=6)
+        assert [o.tokens for o in outs] == greedy_ref
+        assert sum(o.stats.accepted for o in outs) > 0
+        outs = run(smollm2, d, [GenRequest(p, SEEDED["T1.0"], TOKENS) for p in prompts], gamma=4, mode=Mode.COUPLED)
+        assert [o.tokens for o in outs] == seeded_ref["T1.0"]
+    finally:
+        d.close()
