@@ -54,7 +54,8 @@ def features_from_bytes(raw: bytes, width: int) -> torch.Tensor | None:
     if not raw or width <= 0:
         return None
     import numpy as np
-    return torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype(np.int16)).view(torch.bfloat16).float().view(-1, width)
+    bits = np.frombuffer(raw, dtype="<i2").astype(np.int16)          # a native, writable copy
+    return torch.from_numpy(bits).view(torch.bfloat16).float().view(-1, width)
 
 
 def dists_to_pb(q: torch.Tensor | SparseRows | None) -> list[pb.DraftDistribution]:

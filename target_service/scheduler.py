@@ -292,7 +292,8 @@ class Scheduler:
         whether the step had to be rerun)."""
         snaps = [_Snapshot.take(r) for r in reqs]
         try:
-            return speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=self.planner), [], False
+            info = speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=self.planner)
+            return info, [], False
         except BackendDead:        # no rerun can help: the whole backend is gone
             self._undo(reqs, snaps)
             raise
@@ -518,9 +519,9 @@ class Scheduler:
                 if j.req.seq >= 0 and self.engine.has_sequence(j.req.seq):
                     self.engine.release(j.req.seq)
                 j.req.seq = -1
-        forget = getattr(self.planner, "forget", None)
-        for j in jobs:
-            if forget is not None:
+        forget = getattr(self.planner, "forget", None)     # the planner's per-request history
+        if forget is not None:
+            for j in jobs:
                 forget(j.rid)
         if self.drafter is not None:
             await asyncio.to_thread(self._release_drafts, [j.rid for j in jobs])

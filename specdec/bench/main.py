@@ -101,29 +101,24 @@ def cmd_bench(args) -> int:
         engine = lm.backend
         prompts = [encode(lm.tokenizer, it) for it in items]
         target = lm.model
-        if target is None and (args.draft == "layer-skip" or args.peer_hf):   # TP: no process holds it whole
+        # several drafters, compared in one interleaved run; block:DIR names a trained drafter's checkpoint
+        kinds = {name: name.partition(":") for name in args.draft.split(",")}
+        needs_target = args.peer_hf or any(k in ("layer-skip", "block") for k, _, _ in kinds.values())
+        if target is None and needs_target:   # TP: no process holds it whole
             from ..engine.registry import load
             target = load(args.target, args.dtype, quant=args.quant).model
-        if target is None and any(n.split(":")[0] == "block" for n in args.draft.split(",")):
-            from ..engine.registry import load
-            target = load(args.target, args.dtype, quant=args.quant).model
-        drafters = {}
-        for name in args.draft.split(","):     # several drafters: compared in one interleaved run
-            kind, _, ckpt = name.partition(":")   # block:DIR -> a trained drafter's checkpoint
-            drafters[name] = make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
-                                          skip=args.draft_layers, batch_invariant=args.batch_invariant,
-                                          device=args.device, quant=args.draft_quant,
-                                          checkpoint=ckpt or args.draft_checkpoint)
-        drafter = next(iter(drafters.values()))
+        drafters = {name: make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
+                                       skip=args.draft_layers, batch_invariant=args.batch_invariant,
+                                       device=args.device, quant=args.draft_quant,
+                                       checkpoint=ckpt or args.draft_checkpoint)
+                    for name, (kind, _, ckpt) in kinds.items()}
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                       mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
         layouts = args.verify.split(",")
-        run_inprocess(engine, drafter, prompts[:1], gamma=gammas[0], layout=layouts[0],
-                      **{**common, "max_tokens": 4})  # warm-up
-        cost = profile_cost(engine) if args.planner == "cost" else None   # SPS table, profiled once
-        for d in list(drafters.values())[1:]:
+        for d in drafters.values():   # warm-up
             run_inprocess(engine, d, prompts[:1], gamma=gammas[0], layout=layouts[0], **{**common, "max_tokens": 4})
+        cost = profile_cost(engine) if args.planner == "cost" else None   # SPS table, profiled once
         configs = [("baseline (speculation off)", None, 1, None, "compact")] + [
             (f"{dn} gamma={g}" + (f" {lay}" if len(layouts) > 1 else "") +
              (" +planner" if cost else ""), d, g, CostPlanner(cost) if cost else None, lay)

@@ -2,6 +2,9 @@
 All implement spec.propose.Drafter; `make_drafter` builds one from a CLI/config name."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ..speculative.propose import Drafter
 
 
@@ -33,13 +36,12 @@ def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 1
     return ModelDrafter(load(name, dtype, quant=quant).model.to(device), kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)
 
 
-CHECKPOINTS = __import__("pathlib").Path(__file__).parent / "checkpoints"
+CHECKPOINTS = Path(__file__).parent / "checkpoints"
 
 
 def shipped_checkpoint(target_model) -> str:
     """The trained block drafter shipped for this target (specdec/draft/checkpoints/<model>), matched by shape."""
     from ..errors import SpecdecError
-    import json
     c = target_model.cfg
     for d in sorted(CHECKPOINTS.glob("*/config.json")):
         cfg = json.loads(d.read_text())

@@ -345,13 +345,11 @@ class WireFeatures:
     def __init__(self, window: int, max_sessions: int = 4096):
         self.window, self.max_sessions = window, max_sessions
         self.sessions: collections.OrderedDict[str, dict[int, torch.Tensor]] = collections.OrderedDict()
-        self.received_rows = 0
 
     def add(self, sid: str, start: int, rows: torch.Tensor) -> None:
         have = self.sessions.pop(sid, {})
         for i, r in enumerate(rows):
             have[start + i] = r
-        self.received_rows += rows.shape[0]
         top = max(have) + 1 if have else 0
         self.sessions[sid] = {p: r for p, r in have.items() if p >= top - self.window}
         while len(self.sessions) > self.max_sessions:
@@ -360,10 +358,10 @@ class WireFeatures:
     def rows(self, sid: str, toks: list[int], n: int) -> torch.Tensor | None:
         """Rows of positions a-n..a-1 (a = anchor position, clipped at 0), or None if any is missing."""
         have = self.sessions.get(sid)
-        a = len(toks) - 1
         if have is None:
-            return None if a > 0 else torch.zeros(0, 0)
+            return None
         self.sessions.move_to_end(sid)
+        a = len(toks) - 1
         need = range(max(0, a - n), a)
         if any(p not in have for p in need):
             return None

@@ -382,9 +382,9 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
 
 
 def ship(ckpt: Path, model: str) -> Path:
-    """The checkpoint in bf16 (weights are trained in fp32; the drafter loads them back to fp32: bf16 storage halves
-    the file and changes no draft the tests depend on -- exactness holds for any drafter), with its config and
-    metrics (training history dropped), under specdec/draft/checkpoints/<model>."""
+    """The checkpoint in bf16 (trained in fp32 under bf16 autocast; make_drafter runs it in the target's dtype, bf16
+    for real models), with its config and metrics (training history dropped), under
+    specdec/draft/checkpoints/<model>."""
     from safetensors.torch import load_file, save_file
     from . import CHECKPOINTS
     dest = CHECKPOINTS / model

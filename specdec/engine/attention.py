@@ -1,8 +1,8 @@
 """Attention over the paged KV cache, two ways.
 
 `attend_fast`: one SDPA call per sequence (its new rows against its cached prefix + causally within them). Fast for
-one sequence, but its kernels reduce in an order that depends on how many query rows share the call: a row's output in a 4-row verify
-differs in the last bits from the same row decoded alone, and in bf16 that can flip a near-tie token.
+one sequence, but its kernels reduce in an order that depends on how many query rows share the call: a row's output
+in a 4-row verify differs in the last bits from the same row decoded alone, and in bf16 that can flip a near-tie token.
 
 `attend_invariant` (the default, see Engine(batch_invariant=...)): a row's output is a function of that row alone, bit
 for bit, whatever else is in the forward (other sequences, other rows of its own sequence, chunk sizes, verify vs
@@ -95,7 +95,8 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
         s[:, :, :M] += grp.mask[:, None]
         p = torch.softmax(s, dim=-1)
         o = torch.matmul(p.view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, Lp), vt).view(S, Hkv, Mp, hd)[:, :, :M]
-        out[grp.rows.reshape(-1)] = o.reshape(S, Hkv, m, g, hd).permute(0, 2, 1, 3, 4).reshape(S * m, H * hd).to(q.dtype)
+        o = o.reshape(S, Hkv, m, g, hd).permute(0, 2, 1, 3, 4).reshape(S * m, H * hd)
+        out[grp.rows.reshape(-1)] = o.to(q.dtype)
     return out
 
 

@@ -25,6 +25,7 @@ from typing import Sequence
 
 from .accept import Mode
 from .propose import Proposal
+from .step import plan_full
 
 
 # -- SPS: verify cost by packed row count ----------------------------------------------------------------------------
@@ -176,7 +177,7 @@ class CostPlanner:
         return min(r.gamma, best_gamma(self.alpha[r.rid], c, r.gamma))
 
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
-        caps = [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) for r, p in zip(reqs, props)]
+        caps = plan_full(reqs, props)                  # verifying everything is the most a request may verify
         probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms)
         # Exploration: a request whose drafts have not been verified for `explore_every` steps verifies one, so the
@@ -228,6 +229,5 @@ class ServicePlanner(CostPlanner):
         return r.gamma if self._fixed(r) else super().gamma(r)
 
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
-        vlen = super().__call__(reqs, props)
-        return [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) if self._fixed(r) else v
-                for r, p, v in zip(reqs, props, vlen)]
+        return [f if self._fixed(r) else v
+                for r, v, f in zip(reqs, super().__call__(reqs, props), plan_full(reqs, props))]
