@@ -205,3 +205,31 @@ def test_the_check_catches_a_non_invariant_forward(tiny_bf16, monkeypatch):
     monkeypatch.setattr(model_mod, "rms_norm", split_when_packed)
     with pytest.raises(AssertionError):
         test_packed_rows_equal_rows_alone("tiny_bf16", type("R", (), {"getfixturevalue": lambda _, n: tiny_bf16})())
+
+
+@pytest.mark.parametrize("switch, window", [("gemv", (2, 64)), ("above16", (1, 16)), ("everywhere", (16, 16))])
+def test_row_tile_probe_finds_where_a_kernel_switches(switch, window, monkeypatch):
+    """Planted BLAS behaviours (each seen on some machine here): a 1-row call that rounds differently (AVX-512 bf16
+    GEMV), a kernel change above 16 rows (1 thread), and a kernel whose rows depend on the row count everywhere.
+    The probe must pick the window that avoids the switch, and RowTiles must then give each row the same bits."""
+    import torch.nn.functional as F
+    import specdec.engine.row_tiles as RT
+
+    def planted(x, w, b=None):
+        y = F.linear(x, w, b)
+        n = x.shape[0]
+        bump = {"gemv": n == 1, "above16": n > 16, "everywhere": n % 16}[switch]
+        return y + bump * 2 ** -6 * y.abs()             # a few ulps in bf16: another kernel's rounding
+
+    monkeypatch.setattr(RT, "linear", planted)
+    monkeypatch.setattr(RT, "_probed", {})
+    w = (torch.randn(96, 64, generator=torch.Generator().manual_seed(2)) * 0.1).bfloat16()
+    tiles = RT.probe_row_tiles([w])
+    assert (tiles.lo, tiles.hi) == window
+    x = torch.randn(80, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    alone = torch.cat([tiles(x[i:i + 1], w) for i in range(80)])
+    for n in (1, 2, 3, 16, 17, 33, 64, 65, 80):
+        assert torch.equal(tiles(x[:n], w), alone[:n]), n
+    # without the tiles the planted switch shows (the check above can fail)
+    assert not all(torch.equal(planted(x[:n], w), torch.cat([planted(x[i:i + 1], w) for i in range(n)]))
+                   for n in (2, 17, 33))

@@ -24,9 +24,10 @@ def test_best_plan_matches_brute_force(B, ci, fixed, data):
     probs = [sorted(data.draw(st.lists(st.floats(0.01, 0.99), min_size=c - 1, max_size=c - 1)), reverse=True)
              for c in caps]
     cost = COSTS[ci]
-    v, _ = brute_force_plan(probs, caps, cost, fixed)
-    got = best_plan(probs, caps, cost, fixed)
-    assert all(1 <= g <= c for g, c in zip(got, caps))
+    floors = [data.draw(st.integers(1, c)) if data.draw(st.booleans()) else 1 for c in caps]
+    v, _ = brute_force_plan(probs, caps, cost, fixed, floors)
+    got = best_plan(probs, caps, cost, fixed, floors)
+    assert all(f <= g <= c for f, g, c in zip(floors, got, caps))
     assert expected_rate(probs, got, cost, fixed) == pytest.approx(expected_rate(probs, v, cost, fixed), rel=1e-9)
 
 
@@ -100,3 +101,22 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     assert [planner.gamma(r) for r in reqs] == [1, 1, 6]
     planner.forget("g")
     assert "g" not in planner.alpha
+
+
+def test_service_planner_plans_around_a_rejection_requests_rows():
+    """A rejection-sampled request's whole block is in the forward whatever the plan, so the others are planned
+    with its rows counted: here the verify cost is flat up to 8 rows and steep after, and a greedy request that
+    would verify 6 rows alone in the plan verifies 2 next to a 7-row rejection block."""
+    from specdec.speculative.plan import ServicePlanner
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    cost = CostTable([1, 8, 16], [10, 11, 30])
+    planner = ServicePlanner(cost)
+    planner.cal.prob = lambda c: c                                   # calibrated: confidence = acceptance
+    reqs = [SpecRequest("g", [1], SamplingParams(), 50, Mode.GREEDY, 6),
+            SpecRequest("r", [1], SamplingParams(temperature=0.7, seed=1), 50, Mode.REJECTION, 6)]
+    props = [Proposal(1, [2] * 6, [0.7] * 6), Proposal(1, [2] * 6, [0.3] * 6)]
+    assert best_plan([[0.7] * 6, [0.3] * 6], [7, 7], cost) == [6, 2]     # as if the rejection block could shrink
+    assert planner(reqs, props) == [2, 7]

@@ -10,6 +10,7 @@ from specdec.draft.model import ModelDrafter
 from specdec.engine import quant as Q
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
+from specdec.engine.row_tiles import RowTiles, probe_row_tiles
 from specdec.generate import Request, generate
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
 from specdec.speculative.sampling import SamplingParams
@@ -91,7 +92,7 @@ def test_packed_kernels_row_invariant(kind):
     alone = torch.cat([lin.mm(x[i:i + 1]) for i in range(40)])
     for n in (1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 40):
         assert torch.equal(lin.mm(x[:n]), alone[:n]), n
-    assert Q.probe_invariance([lin])
+    assert probe_row_tiles([lin]) == RowTiles(1, 64)
 
 
 def test_cache_round_trip(tmp_path):

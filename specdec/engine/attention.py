@@ -16,8 +16,8 @@ decode). Three rules make it so:
     rows than at >= 4, and float64 differs again on ragged tails); with one shape there is one kernel.
   - Accumulation: scores, softmax and the weighted sum in float32 for bf16/fp16 models (the model dtype otherwise),
     softmax per row over the fixed padded length.
-Linear layers, norms, RoPE and the MLP are per-row already on this CPU (checked by `probe_linear_invariance` at engine
-start; where a BLAS is not, the engine runs linears on fixed row tiles too, see model.tiled_linear).
+Norms, RoPE and the MLP's pointwise ops are per-row already; linears run on the window of row counts where a
+start-up probe finds the BLAS row-invariant (engine/row_tiles.py).
 """
 from __future__ import annotations
 
@@ -40,6 +40,31 @@ class AttnGroup:
     slots: torch.Tensor       # [S, Lp] KV slots to read (padding points at position 0's slot: finite, then masked)
     mask: torch.Tensor        # [S, m * g, Lp] additive float mask per (row, head in kv group): 0 for keys the row
                               # sees, -inf beyond its position
+    _index: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def index(self, T: int, Hkv: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """Gather indices, built by the first layer and reused by the others (every layer has the same layout):
+        q rows straight into GEMM layout [S, Hkv, Mp] (padding reads a zero row at T*H), K/V rows of the flat
+        [slots * Hkv, hd] cache, the GEMM output back into [S * m, H] row order, the mask padded to Mp rows, and
+        whether the group holds every row of the forward in order (its output is then the layer's output)."""
+        if (T, Hkv, g) not in self._index:
+            S, m = self.rows.shape
+            M, H, dev = m * g, Hkv * g, self.rows.device
+            Mp = -(-M // QUERY_TILE) * QUERY_TILE
+            t = torch.arange(Mp, device=dev)
+            kvh = torch.arange(Hkv, device=dev)
+            head = kvh[None, :, None] * g + (t % g)[None, None, :]                              # [1, Hkv, Mp]
+            row = self.rows[:, None, (t // g).clamp(max=m - 1)]                                 # [S, 1, Mp]
+            q_idx = torch.where(t < M, row * H + head, T * H).reshape(-1)
+            kv_idx = (self.slots[:, None, :] * Hkv + kvh[None, :, None]).reshape(-1)
+            h = torch.arange(H, device=dev)
+            o_idx = (torch.arange(S, device=dev)[:, None, None] * (Hkv * Mp) + (h // g)[None, None, :] * Mp
+                     + torch.arange(m, device=dev)[None, :, None] * g + (h % g)[None, None, :]).reshape(-1)
+            mask = self.mask.new_zeros(S, 1, Mp, self.mask.shape[-1])
+            mask[:, 0, :M] = self.mask
+            whole = S * m == T and bool((self.rows.reshape(-1) == torch.arange(T, device=dev)).all())
+            self._index[T, Hkv, g] = q_idx, kv_idx, o_idx, mask, whole
+        return self._index[T, Hkv, g]
 
 
 def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[AttnGroup]:
@@ -69,35 +94,34 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
-    """q [T, H, hd] -> [T, H * hd]. k_cache/v_cache [slots, Hkv, hd] already hold this forward's keys/values."""
+    """q [T, H, hd] -> [T, H * hd]. k_cache/v_cache [slots, Hkv, hd] already hold this forward's keys/values.
+    Per group: three gathers into GEMM layout, two batched GEMMs of QUERY_TILE rows, one gather back (decode is
+    dispatch-bound, so every reshuffle is a precomputed index rather than a permute and a copy)."""
     T, H, hd = q.shape
     Hkv = k_cache.shape[1]
     g = H // Hkv
     acc = _acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(hd)
-    out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+    qz = torch.cat([q.reshape(T * H, hd), q.new_zeros(1, hd)])             # row T*H: the padding rows' zeros
+    out = None
     for grp in groups:
-        S, m = grp.rows.shape
+        S = grp.rows.shape[0]
         Lp = grp.slots.shape[1]
-        M = m * g                                                           # query rows per kv head
-        Mp = -(-M // QUERY_TILE) * QUERY_TILE
-        # [S, Hkv, M, hd], rows ordered (row, head-in-group); zero rows pad to whole tiles
-        qh = q[grp.rows.reshape(-1)].view(S, m, Hkv, g, hd).permute(0, 2, 1, 3, 4).reshape(S, Hkv, M, hd)
-        qt = torch.zeros(S, Hkv, Mp, hd, dtype=acc, device=q.device)
-        qt[:, :, :M] = qh
-        # one gather straight into [S*Hkv, Lp, hd] (rows of the flat [slots*Hkv, hd] view): contiguous, so the
-        # GEMMs read it in place (a permuted gather costs a copy per operand per layer)
-        heads = torch.arange(Hkv, device=q.device)
-        idx = (grp.slots[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
-        kt = k_cache.view(-1, hd).index_select(0, idx).to(acc).view(S * Hkv, 1, Lp, hd).transpose(-1, -2)
-        vt = v_cache.view(-1, hd).index_select(0, idx).to(acc).view(S * Hkv, 1, Lp, hd)
-        s = torch.matmul(qt.view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, hd), kt).view(S, Hkv, Mp, Lp) * scale
-        s[:, :, :M] += grp.mask[:, None]
+        q_idx, kv_idx, o_idx, mask, whole = grp.index(T, Hkv, g)
+        Mp = mask.shape[2]
+        qt = qz.index_select(0, q_idx).to(acc).view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, hd)
+        kt = k_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(S * Hkv, 1, Lp, hd).transpose(-1, -2)
+        vt = v_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(S * Hkv, 1, Lp, hd)
+        s = torch.matmul(qt, kt).view(S, Hkv, Mp, Lp).mul_(scale).add_(mask)   # padding rows: + 0, then dropped
         p = torch.softmax(s, dim=-1)
-        o = torch.matmul(p.view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, Lp), vt).view(S, Hkv, Mp, hd)[:, :, :M]
-        o = o.reshape(S, Hkv, m, g, hd).permute(0, 2, 1, 3, 4).reshape(S * m, H * hd)
-        out[grp.rows.reshape(-1)] = o.to(q.dtype)
-    return out
+        o = torch.matmul(p.view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, Lp), vt).view(-1, hd)
+        o = o.index_select(0, o_idx).view(-1, H * hd).to(q.dtype)
+        if whole:
+            return o
+        if out is None:
+            out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+        out.index_copy_(0, grp.rows.reshape(-1), o)
+    return out if out is not None else q.new_empty(T, H * hd)
 
 
 def attend_invariant_ref(q, k_cache, v_cache, groups: list[AttnGroup]):
@@ -124,15 +148,3 @@ def attend_fast(q, k_cache, v_cache, layout):
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
         out[s.row0:s.row0 + s.n] = o[0].transpose(0, 1)
     return out.view(q.shape[0], -1)
-
-
-def probe_linear_invariance(weights: list[torch.Tensor], rows=(1, 2, 3, 4, 5, 8, 13, 16, 33, 64)) -> bool:
-    """Does F.linear give each row the same bits at every row count, for these weights on this device/BLAS?
-    A cheap start-up check (random inputs), not a proof: the engine tests check whole forwards."""
-    gen = torch.Generator().manual_seed(0)
-    for w in weights:
-        x = torch.randn(max(rows), w.shape[1], generator=gen).to(w.dtype).to(w.device)
-        one = torch.cat([F.linear(x[i:i + 1], w) for i in range(max(rows))])
-        if not all(torch.equal(F.linear(x[:n], w), one[:n]) for n in rows):
-            return False
-    return True

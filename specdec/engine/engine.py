@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidRequest
-from .attention import plan_groups, probe_linear_invariance
+from .attention import plan_groups
 from .kv_cache import KVPool
 from .layout import Layout, SeqInput, pack
-from .model import Transformer, post_attention, pre_attention, tiled_linear
-from .quant import QLinear, probe_invariance
+from .model import Transformer, post_attention, pre_attention
+from .quant import QLinear
+from .row_tiles import probe_row_tiles
 
 
 @dataclasses.dataclass
@@ -79,7 +80,7 @@ class Engine(PagedSequences):
     """`batch_invariant` (default on): the logits of a row and the KV it writes are bitwise the same whatever else
     is in the forward (row count, other sequences, layout, chunk size, verify vs decode), so a request's output never
     depends on its neighbours. Attention runs on fixed key blocks and query tiles (engine/attention.py); linears run
-    as they are where a start-up probe finds them row-invariant (this CPU, bf16 and float32), else on fixed row tiles.
+    on the window of row counts where a start-up probe finds the BLAS row-invariant (engine/row_tiles.py).
     Off: one SDPA call per sequence, a little faster, and a row may round differently in a pack than alone.
 
     `compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
@@ -100,13 +101,13 @@ class Engine(PagedSequences):
         self.compile_tiers = frozenset(compile_tiers)
         self._compiled = None
         self._eager = None
-        if batch_invariant:
-            w = [model.layers[0].attn.wqkv.weight, model.layers[0].attn.wo.weight,
-                 model.layers[0].mlp.w_gate_up.weight, model.layers[0].mlp.w_down.weight]
-            quantized = any(isinstance(x, QLinear) for x in w)   # packed kernels: probed through their dispatch
-            if not (probe_invariance(w) if quantized else probe_linear_invariance(w)):
-                self._eager = (functools.partial(pre_attention, linear=tiled_linear),
-                               functools.partial(post_attention, linear=tiled_linear), tiled_linear)
+        if batch_invariant:   # linears on the row counts where this BLAS gives a row the same bits (row_tiles.py)
+            L = model.layers[0]
+            tiles = probe_row_tiles([L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight,
+                                     L.mlp.w_down.weight, model.embed.weight if model.lm_head is None
+                                     else model.lm_head.weight])
+            self._eager = (functools.partial(pre_attention, linear=tiles),
+                           functools.partial(post_attention, linear=tiles), tiles)
         self.path_counts = {"compiled": 0, "eager": 0}
         self.cfg = model.cfg
         self.heads_per_kv = model.cfg.n_heads // model.cfg.n_kv_heads   # of this model's (shard's) own heads

@@ -66,10 +66,9 @@ class Attention(nn.Module):
 def pre_attention(x, norm_w, eps: float, wqkv, bqkv, cos, sin, n_heads: int, n_kv_heads: int, hd: int,
                   linear=qlinear):
     T = x.shape[0]
-    q, k, v = linear(rms_norm(x, norm_w, eps), wqkv, bqkv).split(
-        [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd], dim=-1)
-    return (rope(q.view(T, n_heads, hd), cos, sin), rope(k.view(T, n_kv_heads, hd), cos, sin),
-            v.view(T, n_kv_heads, hd))
+    qk, v = linear(rms_norm(x, norm_w, eps), wqkv, bqkv).split([(n_heads + n_kv_heads) * hd, n_kv_heads * hd], dim=-1)
+    q, k = rope(qk.view(T, n_heads + n_kv_heads, hd), cos, sin).split([n_heads, n_kv_heads], dim=1)  # one rotation
+    return q, k, v.view(T, n_kv_heads, hd)
 
 
 def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=qlinear, reduce=None):
@@ -78,19 +77,6 @@ def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=ql
     x = x + reduce(linear(attn, wo))
     gate, up = linear(rms_norm(x, norm_w, eps), w_gate_up).chunk(2, dim=-1)
     return x + reduce(linear(F.silu(gate) * up, w_down))
-
-
-def tiled_linear(x, w, b=None, tile: int = 16):
-    """F.linear on fixed tiles of `tile` rows (the last one zero-padded): every GEMM has one shape, so a row's bits
-    cannot depend on how many rows share the call. For BLAS libraries whose kernels switch by row count. The rows
-    are copied into a fresh buffer because some BLAS (MKL) also pick kernels by the operands' memory alignment."""
-    T = x.shape[0]
-    Tp = -(-T // tile) * tile
-    if Tp == 0:
-        return qlinear(x, w, b)
-    xp = x.new_zeros(Tp, x.shape[1])
-    xp[:T] = x
-    return torch.cat([qlinear(xp[i:i + tile], w, b) for i in range(0, Tp, tile)])[:T]
 
 
 def rms_norm(x, w, eps: float):

@@ -6,7 +6,7 @@
 The matmuls are PyTorch's packed CPU kernels: `_weight_int4pack_mm_for_cpu` (w = (q - 8) * scale + zero per group
 of 32, scale/zero in the activation dtype) and `_weight_int8pack_mm` (w = q * scale per row). Both compute each row
 of x on its own, so a row's bits do not depend on how many rows share the call: the engine's start-up probe checks
-that, as it does for F.linear, and falls back to fixed row tiles where it fails.
+that, as it does for F.linear (engine/row_tiles.py).
 
 Where the weights come from (what is exact and what is requantized):
 - int4 from a GGUF's Q4_0 / Q4_1 / Q4_K blocks: the 4-bit codes are taken as they are, and each group of 32 gets
@@ -57,7 +57,6 @@ class QLinear(nn.Module):
                  bias: torch.Tensor | None = None):
         super().__init__()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
-        self.row_invariant: bool | None = None     # probe_invariance's answer, once asked
         self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]
         self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]
         self.register_buffer("bias", bias)
@@ -135,26 +134,6 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, QLinear):
         return w.mm(x)
     return F.linear(x, w, b)
-
-
-def probe_invariance(weights, rows=(1, 2, 3, 4, 5, 8, 16, 17, 33)) -> bool:
-    """Does `linear` give each row the same bits at every row count for these (possibly quantized) weights? The
-    packed kernels compute row by row, so this holds on CPU; the start-up check makes it a fact, not a hope. The
-    answer is kept on each QLinear (every Engine over the same model would otherwise probe again)."""
-    gen = torch.Generator().manual_seed(0)
-    for w in weights:
-        if getattr(w, "row_invariant", None) is not None:
-            if not w.row_invariant:
-                return False
-            continue
-        x = torch.randn(max(rows), w.shape[1], generator=gen).to(w.dtype).to(w.device)
-        one = torch.cat([linear(x[i:i + 1], w) for i in range(max(rows))])
-        ok = all(torch.equal(linear(x[:n], w), one[:n]) for n in rows)
-        if isinstance(w, QLinear):
-            w.row_invariant = ok
-        if not ok:
-            return False
-    return True
 
 
 def unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:

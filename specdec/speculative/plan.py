@@ -116,17 +116,23 @@ def gains(probs: Sequence[float]) -> list[float]:
     return list(itertools.accumulate(probs, lambda a, b: a * b))
 
 
-def best_plan(slot_probs: list[list[float]], caps: list[int], cost: CostTable, fixed_ms: float = 0.0) -> list[int]:
-    """verify_len per request maximising expected emitted tokens per unit step cost. caps[i] bounds verify_len."""
+def best_plan(slot_probs: list[list[float]], caps: list[int], cost: CostTable, fixed_ms: float = 0.0,
+              floors: list[int] | None = None) -> list[int]:
+    """verify_len per request maximising expected emitted tokens per unit step cost: floors[i] <= verify_len <=
+    caps[i] (floors: rows that are verified whatever the plan, e.g. a rejection-sampled request's whole block)."""
     B = len(slot_probs)
-    cand = sorted(((g, i) for i, ps in enumerate(slot_probs) for g in gains(ps[:max(0, caps[i] - 1)])), reverse=True)
-    best_r, best, total = 0, B / (fixed_ms + cost(B)), float(B)
+    floors = floors or [1] * B
+    cand = sorted(((g, i) for i, ps in enumerate(slot_probs)
+                   for g in gains(ps[:max(0, caps[i] - 1)])[floors[i] - 1:]), reverse=True)
+    base_rows = sum(floors)
+    total = float(sum(1 + sum(gains(ps[:f - 1])) for ps, f in zip(slot_probs, floors)))
+    best_r, best = 0, total / (fixed_ms + cost(base_rows))
     for r, (g, _) in enumerate(cand, 1):
         total += g
-        val = total / (fixed_ms + cost(B + r))
+        val = total / (fixed_ms + cost(base_rows + r))
         if val > best:
             best_r, best = r, val
-    vlen = [1] * B
+    vlen = list(floors)
     for _, i in cand[:best_r]:
         vlen[i] += 1
     return vlen
@@ -137,10 +143,12 @@ def expected_rate(slot_probs, vlen, cost: CostTable, fixed_ms: float = 0.0) -> f
     return tokens / (fixed_ms + cost(sum(vlen)))
 
 
-def brute_force_plan(slot_probs, caps, cost: CostTable, fixed_ms: float = 0.0) -> tuple[list[int], float]:
+def brute_force_plan(slot_probs, caps, cost: CostTable, fixed_ms: float = 0.0,
+                     floors: list[int] | None = None) -> tuple[list[int], float]:
     """Every combination of verify lengths: the reference `best_plan` is tested against."""
     best, best_v = -1.0, None
-    for vlen in itertools.product(*[range(1, c + 1) for c in caps]):
+    floors = floors or [1] * len(caps)
+    for vlen in itertools.product(*[range(f, c + 1) for f, c in zip(floors, caps)]):
         val = expected_rate(slot_probs, vlen, cost, fixed_ms)
         if val > best + 1e-12:
             best, best_v = val, list(vlen)
@@ -176,10 +184,14 @@ class CostPlanner:
         c = self.draft_ms / max(1e-9, self.cost(1))
         return min(r.gamma, best_gamma(self.alpha[r.rid], c, r.gamma))
 
+    def floors(self, reqs, caps: list[int]) -> list[int]:
+        """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
+        return [1] * len(reqs)
+
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
         caps = plan_full(reqs, props)                  # verifying everything is the most a request may verify
         probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
-        vlen = best_plan(probs, caps, self.cost, self.fixed_ms)
+        vlen = best_plan(probs, caps, self.cost, self.fixed_ms, self.floors(reqs, caps))
         # Exploration: a request whose drafts have not been verified for `explore_every` steps verifies one, so the
         # calibration keeps learning (a pessimistic start would otherwise never be corrected).
         for i, (r, cap) in enumerate(zip(reqs, caps)):
@@ -228,6 +240,6 @@ class ServicePlanner(CostPlanner):
     def gamma(self, r) -> int:
         return r.gamma if self._fixed(r) else super().gamma(r)
 
-    def __call__(self, reqs, props: list[Proposal]) -> list[int]:
-        return [f if self._fixed(r) else v
-                for r, v, f in zip(reqs, super().__call__(reqs, props), plan_full(reqs, props))]
+    def floors(self, reqs, caps: list[int]) -> list[int]:
+        # a rejection request's whole block is in the forward, so the others are planned around its rows
+        return [c if self._fixed(r) else 1 for r, c in zip(reqs, caps)]

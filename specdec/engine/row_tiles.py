@@ -1,0 +1,84 @@
+"""Row-invariant linears: the row counts at which a GEMM gives each row the same bits, found at start-up.
+
+A batch-invariant engine needs a row's linear output to be the same whether the row is decoded alone, verified with
+its block, or packed with other sequences. BLAS libraries switch kernels by row count, and their kernels round
+differently. Measured on an AVX-512-bf16 EPYC with 2 threads: bf16 `F.linear` gives a row the same bits at every
+count from 2 to 64 rows, but a 1-row call (a GEMV) rounds some rows differently (a few percent of rows, depending on
+the data), and with 1 thread the kernel changes again above 16 rows. The packed int4/int8 kernels compute row by row.
+
+So the engine asks `probe_row_tiles` for a window [lo, hi] of row counts over which the backend is consistent, and
+`RowTiles` runs every linear on calls of lo..hi rows: fewer rows are zero-padded up to lo, more are split into calls
+of hi. On the machine above that is (2, 64): a decode pays a 2-row GEMM (about the cost of one row) instead of the
+16-row tile this replaced. The probe uses random rows, so it is evidence rather than proof; the engine tests check
+whole forwards bitwise.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .quant import QLinear, linear
+
+PROBE_ROWS = 64
+CANDIDATES = ((1, 64), (2, 64), (1, 32), (2, 32), (1, 16), (2, 16), (4, 16), (8, 16), (16, 16))
+_probed: dict[tuple, tuple[int, int] | None] = {}   # (weight shape/kind, dtype, device, threads) -> window
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiles:
+    """Run `linear` on calls of lo..hi rows only (see the module docstring). A function of (x, w, b) like F.linear."""
+    lo: int
+    hi: int
+
+    def __call__(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+        T = x.shape[0]
+        if self.lo <= T <= self.hi:
+            return linear(x, w, b)
+        if T < self.lo:
+            xp = x.new_zeros(self.lo, x.shape[1])
+            xp[:T] = x
+            return linear(xp, w, b)[:T]
+        return torch.cat([self(x[i:i + self.hi], w, b) for i in range(0, T, self.hi)])
+
+
+def _key(w) -> tuple:
+    kind = w.kind if isinstance(w, QLinear) else "dense"
+    return tuple(w.shape), kind, w.dtype, str(w.device), torch.get_num_threads()
+
+
+def _window(w, trials: int = 2) -> tuple[int, int] | None:
+    """The first candidate window [lo, hi] in which, for `trials` random inputs, every row gets the bits of the
+    hi-row call: each row alone (padded to lo; a GEMV's rounding shows only on some rows, so all are tried) and the
+    first n rows in one call, for every n up to hi."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(PROBE_ROWS, w.shape[1], generator=gen).to(w.dtype).to(w.device) for _ in range(trials)]
+    memo: dict[tuple, torch.Tensor] = {}
+
+    def call(t: int, i: int, n: int, lo: int) -> torch.Tensor:     # rows i..i+n of input t through RowTiles(lo, n)
+        if (t, i, n, lo) not in memo:
+            memo[t, i, n, lo] = RowTiles(lo, max(n, lo))(xs[t][i:i + n], w)
+        return memo[t, i, n, lo]
+
+    for lo, hi in CANDIDATES:
+        if all(torch.equal(call(t, i, 1, lo), call(t, 0, hi, lo)[i:i + 1]) for t in range(trials) for i in range(hi)) \
+                and all(torch.equal(call(t, 0, n, lo), call(t, 0, hi, lo)[:n])
+                        for t in range(trials) for n in range(2, hi)):
+            return lo, hi
+    return None
+
+
+def probe_row_tiles(weights) -> RowTiles:
+    """The widest window every weight agrees on (cached per weight shape and kind, dtype, device and thread count,
+    which is what a BLAS picks its kernels by). Falls back to 16-row tiles: one call shape for every row."""
+    los, his = [], []
+    for w in weights:
+        key = _key(w)
+        if key not in _probed:
+            _probed[key] = _window(w)
+        if _probed[key] is None:
+            return RowTiles(16, 16)
+        los.append(_probed[key][0])
+        his.append(_probed[key][1])
+    lo, hi = max(los), min(his)
+    return RowTiles(lo, hi) if lo <= hi else RowTiles(16, 16)
