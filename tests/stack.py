@@ -99,6 +99,11 @@ class Target(Proc):
         args = ["-m", "target_service", "--model", model, "--port", str(self.port), "--grpc-port",
                 str(self.grpc_port), "--draft", draft, "--trace", str(self.trace), "--redis-namespace", namespace,
                 "--draft-deadline-ms", "500", *extra]
+        if "--planner" not in extra:
+            # these suites test what speculation does over the real stack, so every request drafts and verifies its
+            # drafts; the default cost planner may stop drafting where a draft costs more than it saves (a tiny
+            # model's step is cheaper than a gRPC round trip): test_services checks the stack under it
+            args += ["--planner", "full"]
         if redis_url:
             args += ["--redis-url", redis_url]
         super().__init__(args, tmp / f"target-{self.port}.log")

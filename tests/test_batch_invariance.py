@@ -137,8 +137,9 @@ def test_decode_after_verify_and_rollback(name, request):
 @pytest.mark.parametrize("name", MODELS)
 def test_decode_step_of_many_sequences_equals_each_alone(name, request, monkeypatch):
     """A decode step of 24 sequences (one row each; contexts 30..200, so several sequences share each padded key
-    length and their attention runs as one stacked GEMM) and a 3-sequence 5-row verify: each sequence's logits equal
-    its forward alone, and the stacked attention equals the one-sequence-at-a-time schedule on the same inputs."""
+    length and their attention runs as one stacked GEMM), a 3-sequence 5-row verify, and a mixed step (12 sequences
+    bringing 1..6 rows, stacked with their rows padded to the widest): each sequence's logits equal its forward
+    alone, and the stacked attention equals the one-sequence-at-a-time schedule on the same inputs."""
     from specdec.engine import attention as A
     model = _models(request, name)
     V = model.cfg.vocab_size
@@ -150,20 +151,22 @@ def test_decode_step_of_many_sequences_equals_each_alone(name, request, monkeypa
     lens = torch.randint(30, 200, (24,), generator=g).tolist()
     seqs = [e.new_sequence() for _ in lens]
     e.prefill(seqs, [torch.randint(0, V, (n,), generator=g).tolist() for n in lens])
-    for width, idx in ((1, range(24)), (5, range(3))):
-        news = {i: torch.randint(0, V, (width,), generator=g).tolist() for i in idx}
+    stacked = {}
+    for width, idx in ((lambda i: 1, range(24)), (lambda i: 5, range(3)), (lambda i: 1 + i % 6, range(12))):
+        news = {i: torch.randint(0, V, (width(i),), generator=g).tolist() for i in idx}
         packed = e.forward([SeqInput(seqs[i], news[i], start=lens[i], logits="all") for i in idx])
         assert any(grp.rows.shape[0] > 1 for grp in plans[-1]), "nothing was stacked"
-        decode_plan = decode_plan if width == 5 else plans[-1]
+        stacked[len(stacked)] = plans[-1]
         for k, i in enumerate(idx):
             alone = e.forward([SeqInput(seqs[i], news[i], start=lens[i], logits="all")]).rows(0)
-            assert torch.equal(packed.rows(k), alone), (width, i)
+            assert torch.equal(packed.rows(k), alone), (width(i), i)
+    assert any(bool((grp.rows < 0).any()) for grp in stacked[2]), "no sequence's rows were padded"
     # the two schedules on identical inputs (random q over the engine's KV pool)
-    groups = decode_plan
-    T = int(max(grp.rows.max() for grp in groups)) + 1
-    q = torch.randn(T, model.cfg.n_heads, model.cfg.hd, generator=g).to(model.embed.weight.dtype)
-    k, v = e.kv.k[0], e.kv.v[0]
-    assert torch.equal(A.attend_invariant(q, k, v, groups), A.attend_invariant_ref(q, k, v, groups))
+    for groups in (stacked[0], stacked[2]):
+        T = int(max(grp.rows.max() for grp in groups)) + 1
+        q = torch.randn(T, model.cfg.n_heads, model.cfg.hd, generator=g).to(model.embed.weight.dtype)
+        k, v = e.kv.k[0], e.kv.v[0]
+        assert torch.equal(A.attend_invariant(q, k, v, groups), A.attend_invariant_ref(q, k, v, groups))
 
 
 def test_fast_attention_is_the_only_difference(tiny_bf16):

@@ -98,9 +98,15 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     assert planner(reqs, props) == [2, 2, 7]        # every explore_every-th idle step verifies one draft
     for r in reqs:
         planner.alpha[r.rid] = 0.05                                 # a history of rejections
-    assert [planner.gamma(r) for r in reqs] == [1, 1, 6]
+    assert [planner.gamma(r) for r in reqs] == [0, 0, 6]           # drafting does not pay: no draft
+    for _ in range(planner.explore_every - 2):
+        assert [planner.gamma(r) for r in reqs] == [0, 0, 6]
+    assert [planner.gamma(r) for r in reqs] == [1, 1, 6]           # except one every explore_every steps,
+    one = [Proposal(1, [2], [0.05]), Proposal(1, [2], [0.05]), props[2]]
+    assert planner(reqs, one) == [2, 2, 7]                          # and that one is verified
+    assert [planner.gamma(r) for r in reqs] == [0, 0, 6]
     planner.forget("g")
-    assert "g" not in planner.alpha
+    assert "g" not in planner.alpha and "g" not in planner.undrafted
 
 
 def test_service_planner_plans_around_a_rejection_requests_rows():

@@ -72,6 +72,26 @@ def test_openai_chat_greedy_equals_target_only(target, lm):
     assert spec["drafted"] > 0 and spec["accepted"] > 0 and spec["acceptance"] == "greedy"
 
 
+def test_default_cost_planner_keeps_outputs_exact(tmp, draft, lm):
+    """The service's default planner (--planner cost) decides per step what to draft and verify, from measured costs
+    (on a tiny model it may stop drafting: a gRPC round trip costs more than a target step). Whatever it decides,
+    concurrent greedy and seeded (coupled) requests equal target-only decoding."""
+    import concurrent.futures as cf
+    t = Target(tmp, draft=draft.addr, extra=["--planner", "cost"]).up()
+    try:
+        c = client(t)
+        jobs = [("tell me a story", 0.0, None), ("one two three one two three one", 0.0, None),
+                ("once upon a time", 0.8, 11), ("abc abc abc", 1.0, 12)] * 2
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda j: c.completions.create(model="tiny-llama", prompt=j[0], max_tokens=40,
+                                                               temperature=j[1], seed=j[2]), jobs))
+        for (prompt, temp, seed), r in zip(jobs, got):
+            params = SamplingParams() if temp == 0 else SamplingParams(temperature=temp, seed=seed)
+            assert r.choices[0].text == reference(lm, lm.tokenizer.encode(prompt), 40, params)[0], (prompt, temp)
+    finally:
+        t.kill()
+
+
 def test_raw_sse_ends_with_done(target):
     with httpx.stream("POST", target.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 5,
                                                                     "temperature": 0, "stream": True}) as r:

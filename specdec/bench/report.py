@@ -7,6 +7,8 @@ import dataclasses
 
 import numpy as np
 
+from ..speculative.plan import leviathan_gain
+
 
 @dataclasses.dataclass
 class RequestRecord:
@@ -31,10 +33,6 @@ class StepRecord:
 
 def pct(xs, q) -> float | None:
     return float(np.percentile(xs, q)) if len(xs) else None
-
-
-def leviathan_gain(alpha: float, gamma: int) -> float:
-    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float, gamma: int,

@@ -33,20 +33,23 @@ QUERY_TILE = 8       # every score / value GEMM has exactly this many query rows
 
 @dataclasses.dataclass
 class AttnGroup:
-    """S sequences' rows that share one GEMM shape: m new rows each, the same padded key length Lp. Decode rows of
-    every sequence whose context rounds up to the same Lp land in one group, so a layer runs one batched GEMM per
-    group instead of one per sequence (the per-row arithmetic is the same either way: see attend_invariant_ref)."""
-    rows: torch.Tensor        # [S, m] rows in the flat batch
+    """S sequences' rows that share one padded key length Lp, stacked into one batched GEMM per layer (one per
+    distinct Lp in the forward, not one per sequence: decode rows and verify blocks of every sequence whose context
+    rounds up to the same Lp). Each sequence's rows are padded to the group's widest (rows -1, zero mask): the GEMM
+    runs on query tiles of QUERY_TILE rows whatever the padding, so a row's arithmetic is the same with or without
+    other sequences in its group (see attend_invariant_ref)."""
+    rows: torch.Tensor        # [S, m] rows in the flat batch, -1 for padding (at the end of a sequence's rows)
     slots: torch.Tensor       # [S, Lp] KV slots to read (padding points at position 0's slot: finite, then masked)
     mask: torch.Tensor        # [S, m * g, Lp] additive float mask per (row, head in kv group): 0 for keys the row
                               # sees, -inf beyond its position
     _index: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def index(self, T: int, Hkv: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    def index(self, T: int, Hkv: int, g: int) -> tuple[torch.Tensor, ...]:
         """Gather indices, built by the first layer and reused by the others (every layer has the same layout):
         q rows straight into GEMM layout [S, Hkv, Mp] (padding reads a zero row at T*H), K/V rows of the flat
-        [slots * Hkv, hd] cache, the GEMM output back into [S * m, H] row order, the mask padded to Mp rows, and
-        whether the group holds every row of the forward in order (its output is then the layer's output)."""
+        [slots * Hkv, hd] cache, the GEMM output of the real rows back into [rows, H] order, the mask padded to Mp
+        rows, the real rows, and whether they are every row of the forward in order (the output is then the
+        layer's output)."""
         if (T, Hkv, g) not in self._index:
             S, m = self.rows.shape
             M, H, dev = m * g, Hkv * g, self.rows.device
@@ -55,22 +58,24 @@ class AttnGroup:
             kvh = torch.arange(Hkv, device=dev)
             head = kvh[None, :, None] * g + (t % g)[None, None, :]                              # [1, Hkv, Mp]
             row = self.rows[:, None, (t // g).clamp(max=m - 1)]                                 # [S, 1, Mp]
-            q_idx = torch.where(t < M, row * H + head, T * H).reshape(-1)
+            q_idx = torch.where((t < M) & (row >= 0), row * H + head, T * H).reshape(-1)
             kv_idx = (self.slots[:, None, :] * Hkv + kvh[None, :, None]).reshape(-1)
             h = torch.arange(H, device=dev)
             o_idx = (torch.arange(S, device=dev)[:, None, None] * (Hkv * Mp) + (h // g)[None, None, :] * Mp
-                     + torch.arange(m, device=dev)[None, :, None] * g + (h % g)[None, None, :]).reshape(-1)
+                     + torch.arange(m, device=dev)[None, :, None] * g + (h % g)[None, None, :])    # [S, m, H]
+            real = self.rows >= 0
+            o_idx, rows = o_idx[real].reshape(-1), self.rows[real]
             mask = self.mask.new_zeros(S, 1, Mp, self.mask.shape[-1])
             mask[:, 0, :M] = self.mask
-            whole = S * m == T and bool((self.rows.reshape(-1) == torch.arange(T, device=dev)).all())
-            self._index[T, Hkv, g] = q_idx, kv_idx, o_idx, mask, whole
+            whole = rows.numel() == T and bool((rows == torch.arange(T, device=dev)).all())
+            self._index[T, Hkv, g] = q_idx, kv_idx, o_idx, mask, rows, whole
         return self._index[T, Hkv, g]
 
 
 def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[AttnGroup]:
     """Computed once per forward from the layout, shared by every layer."""
     acc = _acc_dtype(dtype)
-    buckets: dict[tuple[int, int], list] = {}
+    buckets: dict[int, list] = {}
     for s in layout.seqs:
         start = s.read_slots.numel() - s.n
         lens = torch.arange(start + 1, start + s.n + 1)                 # keys each new row sees
@@ -83,10 +88,17 @@ def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[A
                 [s.read_slots, s.read_slots[:1].expand(lp - s.read_slots.numel())])
             mask = torch.zeros(j - i, lp, dtype=acc)
             mask.masked_fill_(torch.arange(lp)[None, :] >= lens[i:j, None], float("-inf"))
-            buckets.setdefault((lp, j - i), []).append(
-                (torch.arange(s.row0 + i, s.row0 + j), slots, mask.repeat_interleave(heads_per_kv, 0)))
+            buckets.setdefault(lp, []).append((torch.arange(s.row0 + i, s.row0 + j), slots, mask))
             i = j
-    return [AttnGroup(*(torch.stack(parts).to(device) for parts in zip(*members))) for members in buckets.values()]
+    groups = []
+    for members in buckets.values():
+        m = max(r.numel() for r, _, _ in members)
+        rows = torch.stack([F.pad(r, (0, m - r.numel()), value=-1) for r, _, _ in members])
+        mask = torch.stack([F.pad(k, (0, 0, 0, m - k.shape[0])).repeat_interleave(heads_per_kv, 0)
+                            for _, _, k in members])
+        groups.append(AttnGroup(rows.to(device), torch.stack([sl for _, sl, _ in members]).to(device),
+                                mask.to(device)))
+    return groups
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,7 +119,7 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
     for grp in groups:
         S = grp.rows.shape[0]
         Lp = grp.slots.shape[1]
-        q_idx, kv_idx, o_idx, mask, whole = grp.index(T, Hkv, g)
+        q_idx, kv_idx, o_idx, mask, rows, whole = grp.index(T, Hkv, g)
         Mp = mask.shape[2]
         qt = qz.index_select(0, q_idx).to(acc).view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, hd)
         kt = k_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(S * Hkv, 1, Lp, hd).transpose(-1, -2)
@@ -120,20 +132,22 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
             return o
         if out is None:
             out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
-        out.index_copy_(0, grp.rows.reshape(-1), o)
+        out.index_copy_(0, rows, o)
     return out if out is not None else q.new_empty(T, H * hd)
 
 
 def attend_invariant_ref(q, k_cache, v_cache, groups: list[AttnGroup]):
-    """One sequence at a time (the pre-batching schedule): the tests hold attend_invariant to these bits, i.e. a
-    row's output does not depend on how many sequences share its batched GEMM."""
+    """One sequence at a time, each with only its own rows (the pre-batching schedule): the tests hold
+    attend_invariant to these bits, i.e. a row's output does not depend on which sequences share its batched GEMM
+    or how far its rows were padded."""
     T, H, hd = q.shape
+    g = H // k_cache.shape[1]
     out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
     for grp in groups:
         for i in range(grp.rows.shape[0]):
-            r = grp.rows[i]
-            out[r] = attend_invariant(q, k_cache, v_cache, [AttnGroup(grp.rows[i:i + 1], grp.slots[i:i + 1],
-                                                                      grp.mask[i:i + 1])])[r]
+            r = grp.rows[i][grp.rows[i] >= 0]
+            alone = AttnGroup(r[None], grp.slots[i:i + 1], grp.mask[i:i + 1, :r.numel() * g])
+            out[r] = attend_invariant(q, k_cache, v_cache, [alone])[r]
     return out
 
 

@@ -160,8 +160,10 @@ def leviathan_gain(alpha: float, gamma: int) -> float:
     return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
-def best_gamma(alpha: float, c: float, gamma_max: int) -> int:
-    return max(range(1, gamma_max + 1), key=lambda g: leviathan_gain(alpha, g) / (1 + g * c))
+def best_gamma(alpha: float, c: float, gamma_max: int, gamma_min: int = 1) -> int:
+    """The block length maximising tokens per unit cost, c = drafting cost per token / a target step (0: drafting
+    does not pay, since leviathan_gain(alpha, 0) = 1 at no drafting cost)."""
+    return max(range(gamma_min, gamma_max + 1), key=lambda g: leviathan_gain(alpha, g) / (1 + g * c))
 
 
 class CostPlanner:
@@ -175,14 +177,30 @@ class CostPlanner:
         self.adaptive_gamma, self.cal, self.ema = adaptive_gamma, calibration or Calibration(), ema
         self.alpha: dict[str, float] = {}
         self.idle: dict[str, int] = {}        # steps since a request last verified a draft
+        self.undrafted: dict[str, int] = {}   # steps since a request last drafted
+        self.explore: set[str] = set()        # requests drafting this step only to explore: verify one draft
         self.explore_every = explore_every
+        # expected tokens/ms of the steps' plans (drafting included) over plain decoding's, smoothed: below 1,
+        # drafting does not pay for the batch as a whole (at large batches verify rows stop being nearly free)
+        self.draft_pays = 1.0
 
     def gamma(self, r) -> int:
-        """Block length to ask the drafter for: adaptive to the request's acceptance history."""
+        """Block length to ask the drafter for: adaptive to the request's acceptance history, 0 (no draft) when
+        its acceptance does not pay for the drafting, except one draft every `explore_every` steps so that a
+        request whose text turns predictable is noticed."""
         if not self.adaptive_gamma or r.rid not in self.alpha:
             return r.gamma
         c = self.draft_ms / max(1e-9, self.cost(1))
-        return min(r.gamma, best_gamma(self.alpha[r.rid], c, r.gamma))
+        g = min(r.gamma, best_gamma(self.alpha[r.rid], c, r.gamma, gamma_min=0)) if self.draft_pays >= 1 else 0
+        if g > 0:
+            self.undrafted.pop(r.rid, None)
+            return g
+        self.undrafted[r.rid] = self.undrafted.get(r.rid, 0) + 1
+        if self.undrafted[r.rid] < self.explore_every:
+            return 0
+        self.undrafted[r.rid] = 0
+        self.explore.add(r.rid)
+        return 1
 
     def floors(self, reqs, caps: list[int]) -> list[int]:
         """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
@@ -192,9 +210,15 @@ class CostPlanner:
         caps = plan_full(reqs, props)                  # verifying everything is the most a request may verify
         probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms, self.floors(reqs, caps))
+        if any(c > 1 for c in caps):
+            ratio = expected_rate(probs, vlen, self.cost, self.fixed_ms) / (len(reqs) / self.cost(len(reqs)))
+            self.draft_pays = (1 - self.ema) * self.draft_pays + self.ema * ratio
         # Exploration: a request whose drafts have not been verified for `explore_every` steps verifies one, so the
         # calibration keeps learning (a pessimistic start would otherwise never be corrected).
         for i, (r, cap) in enumerate(zip(reqs, caps)):
+            if r.rid in self.explore:
+                self.explore.discard(r.rid)
+                vlen[i] = max(vlen[i], min(cap, 2))
             if vlen[i] > 1 or cap < 2:
                 self.idle.pop(r.rid, None)
                 continue
@@ -205,8 +229,9 @@ class CostPlanner:
 
     def forget(self, rid: str) -> None:
         """A finished request's acceptance history (a long-running service would otherwise keep every one)."""
-        self.alpha.pop(rid, None)
-        self.idle.pop(rid, None)
+        for table in (self.alpha, self.idle, self.undrafted):
+            table.pop(rid, None)
+        self.explore.discard(rid)
 
     def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int],
                 draft_ms: float | None = None, verify_ms: float | None = None) -> None:

@@ -115,9 +115,10 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
                      plan: Planner = plan_full) -> StepInfo:
     t0 = time.perf_counter()
     # 1. propose: one batched call; each request sends what was committed since its last call
-    spec = [r for r in reqs if r.gamma > 0]          # gamma 0: speculation off for this request
-    block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma)
-    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, block(r), r.params, r.mode,
+    block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma), or skip them
+    blocks = {r.rid: block(r) for r in reqs if r.gamma > 0}       # gamma 0: speculation off for this request
+    spec = [r for r in reqs if blocks.get(r.rid, 0) > 0]
+    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, blocks[r.rid], r.params, r.mode,
                        context=r.committed) for r in spec]
     answers: dict[str, Proposal | None] = {}
     draft_ok = True
