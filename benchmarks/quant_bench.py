@@ -76,6 +76,33 @@ def quality(ref_model, models, prompts):
     return out
 
 
+RSS_PROBE = """
+import sys, torch
+from engine_bench import rss_mb
+from specdec.engine.engine import Engine
+from specdec.engine.layout import SeqInput
+from specdec.engine.registry import load
+lm = load(sys.argv[1], "bf16", quant=sys.argv[2])
+e = Engine(lm.model, kv_tokens=4096)
+s = e.new_sequence()
+e.forward([SeqInput(s, list(range(1, 129)), logits="last")])
+e.forward([SeqInput(s, [5], start=128, logits="last")])
+print(rss_mb())
+"""
+
+
+def rss_in_fresh_process(model: str, mode: str) -> float:
+    """MiB resident after loading (from the weight cache: run once before to build it) and a decode step."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    subprocess.run([sys.executable, "-c", RSS_PROBE, model, mode], check=True, capture_output=True,
+                   cwd=Path(__file__).parent)        # first run: builds the caches
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE, model, mode], check=True, capture_output=True,
+                         text=True, cwd=Path(__file__).parent)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -86,9 +113,15 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--rss", action="store_true", help="only: resident memory per mode, each in a fresh process "
+                                                       "(load from the cache, engine, 128-token prefill, one decode)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     modes, rows = a.modes.split(","), [int(r) for r in a.rows.split(",")]
+    if a.rss:
+        for m in modes:
+            print(f"{a.model} {m}: RSS {rss_in_fresh_process(a.model, m):.0f} MiB")
+        return
     lms = {m: load(a.model, "bf16", quant=m) for m in modes}
     tok = lms[modes[0]].tokenizer
     text = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n" * 12)

@@ -236,3 +236,31 @@ def test_row_tile_probe_finds_where_a_kernel_switches(switch, window, monkeypatc
     # without the tiles the planted switch shows (the check above can fail)
     assert not all(torch.equal(planted(x[:n], w), torch.cat([planted(x[i:i + 1], w) for i in range(n)]))
                    for n in (2, 17, 33))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hkv", [1, 2])
+def test_stacked_attention_equals_each_sequence_alone(dtype, Hkv):
+    """Two sequences of 64 and 9 rows share a padded key length, so their attention is one stacked GEMM with the
+    short one padded to 64 rows; each must get the bits it gets alone. With one kv head (a TP rank's shard) and one
+    thread this failed in float64 while torch.matmul folded a lone sequence's query tiles into one tall GEMM."""
+    from specdec.engine.attention import attend_invariant, attend_invariant_ref, plan_groups
+    from specdec.engine.kv_cache import KVPool
+    from specdec.engine.layout import pack
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        kv = KVPool(1, Hkv, 16, 1024, page_size=16, dtype=dtype)
+        kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+        a, b = kv.allocate(), kv.allocate()
+        lay = pack([SeqInput(a, list(range(64)), logits="none"), SeqInput(b, list(range(9)), logits="none")],
+                   kv, 96, 512)
+        groups = plan_groups(lay, dtype, "cpu", 2)
+        assert [tuple(grp.rows.shape) for grp in groups] == [(2, 64)]
+        q = torch.randn(73, 2 * Hkv, 16, generator=g).to(dtype)
+        k, v = kv.k[0], kv.v[0]
+        assert torch.equal(attend_invariant(q, k, v, groups), attend_invariant_ref(q, k, v, groups))
+    finally:
+        torch.set_num_threads(saved)

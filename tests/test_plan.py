@@ -126,3 +126,26 @@ def test_service_planner_plans_around_a_rejection_requests_rows():
     props = [Proposal(1, [2] * 6, [0.7] * 6), Proposal(1, [2] * 6, [0.3] * 6)]
     assert best_plan([[0.7] * 6, [0.3] * 6], [7, 7], cost) == [6, 2]     # as if the rejection block could shrink
     assert planner(reqs, props) == [2, 7]
+
+
+def test_planner_follows_measured_throughput_of_drafting_steps():
+    """Whether drafting pays for the batch is decided by measurement once both kinds of step have run: steps that
+    drafted against steps that did not, each as tokens/ms over the cost table's plain rate. A planted slow drafter
+    (its steps emit fewer tokens per ms than plain steps) turns drafting off; a good one turns it back on."""
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    planner = CostPlanner(CostTable.linear(0.0, 10.0), learn_costs=False)
+    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 50, Mode.GREEDY, 4) for i in range(4)]
+    for r in reqs:
+        planner.alpha[r.rid] = 0.9
+    drafts, none = [Proposal(1, [2] * 4, [0.9] * 4)] * 4, [Proposal(1, [], [])] * 4
+    assert planner.gamma(reqs[0]) == 4                                 # nothing measured: the prediction says yes
+    for _ in range(10):
+        planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)        # 4 tokens / 40 ms
+        planner.observe(reqs, drafts, [5] * 4, [1] * 4, draft_ms=30.0, verify_ms=60.0)     # 8 tokens / 90 ms
+    assert planner.draft_pays == pytest.approx(0.889, abs=0.01) and planner.gamma(reqs[0]) == 0
+    for _ in range(30):
+        planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=30.0, verify_ms=60.0)     # 16 tokens / 90 ms
+    assert planner.draft_pays > 1.5 and planner.gamma(reqs[0]) == 4

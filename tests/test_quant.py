@@ -104,6 +104,22 @@ def test_cache_round_trip(tmp_path):
     assert isinstance(m2.lm_head, Q.QLinear) and isinstance(m2.layers[1].mlp.w_down, Q.QLinear)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_tied_embedding_is_read_from_the_int8_head(tmp_path, mode):
+    """A tied model keeps one int8 table: the embedding looks rows up in the output head (no bf16 table is left in
+    the model), each row bitwise the head's dequantised row, and the cache round trip keeps the link."""
+    m = Q.quantize_model(load("tiny-llama", "bf16").model, mode)
+    assert isinstance(m.embed, Q.QEmbedding) and m.embed.weight is m.lm_head
+    assert not any(k.startswith("embed") for k in m.state_dict())
+    toks = torch.tensor([0, 5, 5, m.cfg.vocab_size - 1])
+    assert torch.equal(m.embed(toks), m.lm_head.dequantize()[toks].to(torch.bfloat16))
+    Q.save_quantized(m, tmp_path / "q")
+    m2 = Q.load_quantized(tmp_path / "q")
+    assert isinstance(m2.embed, Q.QEmbedding) and m2.embed.weight is m2.lm_head
+    p = random_prompt(m.cfg.vocab_size, 12, seed=4)
+    assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
+
+
 def test_unknown_mode_and_float64_are_refused():
     from specdec.errors import ModelError
     with pytest.raises(ModelError):

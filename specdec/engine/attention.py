@@ -121,12 +121,16 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
         Lp = grp.slots.shape[1]
         q_idx, kv_idx, o_idx, mask, rows, whole = grp.index(T, Hkv, g)
         Mp = mask.shape[2]
-        qt = qz.index_select(0, q_idx).to(acc).view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, hd)
-        kt = k_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(S * Hkv, 1, Lp, hd).transpose(-1, -2)
-        vt = v_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(S * Hkv, 1, Lp, hd)
-        s = torch.matmul(qt, kt).view(S, Hkv, Mp, Lp).mul_(scale).add_(mask)   # padding rows: + 0, then dropped
+        # Explicit bmm over (sequence, kv head, query tile): matmul would fold the tiles of a lone [1, tiles] batch
+        # into one GEMM of tiles * 8 rows, whose bits differ (seen in float64 with one kv head per TP rank).
+        B, nt = S * Hkv, Mp // QUERY_TILE
+        qt = qz.index_select(0, q_idx).to(acc).view(B * nt, QUERY_TILE, hd)
+        kt = k_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(B, 1, Lp, hd)
+        vt = v_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(B, 1, Lp, hd)
+        kt, vt = (t.expand(B, nt, Lp, hd).reshape(B * nt, Lp, hd) for t in (kt, vt))   # a view when nt == 1
+        s = torch.bmm(qt, kt.transpose(1, 2)).view(S, Hkv, Mp, Lp).mul_(scale).add_(mask)   # padding rows: + 0
         p = torch.softmax(s, dim=-1)
-        o = torch.matmul(p.view(S * Hkv, Mp // QUERY_TILE, QUERY_TILE, Lp), vt).view(-1, hd)
+        o = torch.bmm(p.view(B * nt, QUERY_TILE, Lp), vt).view(-1, hd)
         o = o.index_select(0, o_idx).view(-1, H * hd).to(q.dtype)
         if whole:
             return o

@@ -180,9 +180,18 @@ class CostPlanner:
         self.undrafted: dict[str, int] = {}   # steps since a request last drafted
         self.explore: set[str] = set()        # requests drafting this step only to explore: verify one draft
         self.explore_every = explore_every
-        # expected tokens/ms of the steps' plans (drafting included) over plain decoding's, smoothed: below 1,
-        # drafting does not pay for the batch as a whole (at large batches verify rows stop being nearly free)
-        self.draft_pays = 1.0
+        # Does drafting pay for the batch as a whole (at large batches verify rows stop being nearly free)? Predicted:
+        # the plans' expected tokens/ms (drafting included) over plain decoding's by the cost table. Realised: each
+        # step's tokens/ms over the table's plain rate, for steps that drafted and steps that did not (smoothed).
+        self.predicted_pays = 1.0
+        self.realized: dict[str, float] = {}
+
+    @property
+    def draft_pays(self) -> float:
+        """Tokens/ms with drafting over without: measured once both kinds of step have run, else predicted."""
+        if len(self.realized) == 2:
+            return self.realized["draft"] / max(1e-9, self.realized["plain"])
+        return self.predicted_pays
 
     def gamma(self, r) -> int:
         """Block length to ask the drafter for: adaptive to the request's acceptance history, 0 (no draft) when
@@ -212,7 +221,7 @@ class CostPlanner:
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms, self.floors(reqs, caps))
         if any(c > 1 for c in caps):
             ratio = expected_rate(probs, vlen, self.cost, self.fixed_ms) / (len(reqs) / self.cost(len(reqs)))
-            self.draft_pays = (1 - self.ema) * self.draft_pays + self.ema * ratio
+            self.predicted_pays = (1 - self.ema) * self.predicted_pays + self.ema * ratio
         # Exploration: a request whose drafts have not been verified for `explore_every` steps verifies one, so the
         # calibration keeps learning (a pessimistic start would otherwise never be corrected).
         for i, (r, cap) in enumerate(zip(reqs, caps)):
@@ -237,11 +246,18 @@ class CostPlanner:
                 draft_ms: float | None = None, verify_ms: float | None = None) -> None:
         if verify_ms is not None and self.learn_costs:
             self.cost.update(sum(vlen), verify_ms)
-        if draft_ms is not None and self.learn_costs:
-            # drafting is paid every step whatever is verified: it is the plan's fixed cost
-            drafted = max(1, max((len(p.tokens) for p in props), default=1))
+        drafted = max((len(p.tokens) for p in props), default=0)
+        if draft_ms is not None and self.learn_costs and drafted:
+            # drafting is paid every step whatever is verified: it is the plan's fixed cost (learned from steps that
+            # drafted: one without drafts says nothing about a draft's cost)
             self.fixed_ms = (1 - self.ema) * self.fixed_ms + self.ema * draft_ms
             self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
+        if draft_ms is not None and verify_ms is not None and reqs:
+            B = len(reqs)
+            rate = (B + sum(accepted)) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
+            kind = "draft" if drafted else "plain"
+            prev = self.realized.get(kind)
+            self.realized[kind] = rate if prev is None else (1 - self.ema) * prev + self.ema * rate
         for r, p, v, a in zip(reqs, props, vlen, accepted):
             if v <= 1:
                 continue
