@@ -120,6 +120,21 @@ def test_tied_embedding_is_read_from_the_int8_head(tmp_path, mode):
     assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
 
 
+def test_untied_embedding_is_its_own_int8_table(tmp_path):
+    dense = load("tiny-qwen2", "bf16").model                 # untied
+    table = dense.embed.weight.detach().float().clone()
+    m = Q.quantize_model(dense, "int4")
+    assert isinstance(m.embed, Q.QEmbedding) and m.embed.weight is not m.lm_head
+    assert "embed.table.qweight" in m.state_dict() and "embed.weight" not in m.state_dict()
+    toks = torch.arange(m.cfg.vocab_size)
+    step = table.abs().amax(1, keepdim=True) / 127
+    assert ((m.embed(toks).float() - table).abs() <= step * 0.51 + 2 ** -7 * table.abs()).all()
+    Q.save_quantized(m, tmp_path / "q")
+    m2 = Q.load_quantized(tmp_path / "q")
+    p = random_prompt(m.cfg.vocab_size, 12, seed=5)
+    assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
+
+
 def test_unknown_mode_and_float64_are_refused():
     from specdec.errors import ModelError
     with pytest.raises(ModelError):

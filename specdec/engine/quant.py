@@ -19,8 +19,8 @@ Where the weights come from (what is exact and what is requantized):
 - int8 (and the lm_head in int4 mode, which llama.cpp's Q4_K_M also keeps wider): dequantised to float32, then
   requantized per output row, scale = max|w| / 127. A GGUF block's own scale varies every 32 (or 16) inputs, so no
   GGUF type maps exactly onto one scale per row.
-The token embedding of a tied model is read from the int8 head (QEmbedding: one int8 table instead of a bf16 table
-beside an int8 head); an untied model's stays in the model dtype.
+The token embedding is an int8 table too (QEmbedding, per-row scale, like the head): a tied model's is the head's own
+table, an untied model's is requantized from its embedding.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from ..errors import ModelError
 
 MODES = ("none", "int8", "int4")
 GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
-CACHE_FORMAT = 2                 # bump when the cached layout changes
+CACHE_FORMAT = 3                 # bump when the cached layout changes
 
 
 def check_mode(mode: str | None) -> str:
@@ -131,13 +131,16 @@ class QLinear(nn.Module):
 
 
 class QEmbedding(nn.Module):
-    """A tied model's token embedding read from its int8 output head: row t of the table is row t of the head,
-    dequantised on lookup (q * scale, per row). The table is then held once, in int8, instead of twice (a bf16
-    lookup table beside the int8 head): 467 MB less for Qwen2.5-Coder-1.5B, 56 MB for SmolLM2."""
+    """The token embedding as an int8 table (per-row scale), dequantised on lookup. A tied model reads the rows of
+    its int8 output head, so the table is held once instead of twice (a bf16 lookup table beside the int8 head:
+    56 MB less for SmolLM2); an untied model's table is quantized on its own (half the bf16 table: 223 MB less for
+    Qwen2.5-Coder-1.5B, whose GGUF has a separate output.weight)."""
 
-    def __init__(self, head: QLinear):
+    def __init__(self, head: QLinear, owned: bool = False):
         super().__init__()
-        object.__setattr__(self, "head", head)    # not a submodule: the lm_head owns (and saves) these tensors
+        if owned:
+            self.table = head                         # a submodule: saved with the model
+        object.__setattr__(self, "head", head)        # tied: the lm_head owns (and saves) these tensors
 
     @property
     def weight(self) -> QLinear:
@@ -273,8 +276,8 @@ def quantize_model(model, mode: str, gguf_path: str | os.PathLike | None = None)
         parts = _gguf_parts(name, tied) if tensors else []
         setattr_path(model, name, _quantize_one(_kind(mode, name), w, bias, [tensors[p] for p in parts],
                                                 model.cfg, dtype))
-    if tied:
-        model.embed = QEmbedding(model.lm_head)
+    model.embed = (QEmbedding(model.lm_head) if tied else
+                   QEmbedding(QLinear.int8(*quantize_int8(model.embed.weight.float()), dtype=dtype), owned=True))
     return model
 
 
@@ -312,7 +315,7 @@ def save_quantized(model, path: str | os.PathLike) -> Path:
             for name, m in model.named_modules() if isinstance(m, QLinear)}
     meta = {"format": CACHE_FORMAT, "torch": torch.__version__, "cfg": dataclasses.asdict(model.cfg),
             "dtype": str(model.embed.weight.dtype).removeprefix("torch."), "linears": spec,
-            "embed": "lm_head" if isinstance(model.embed, QEmbedding) else "table"}
+            "embed": "lm_head" if model.lm_head is model.embed.weight else "int8"}
     (path / "quant.json").write_text(json.dumps(meta, indent=1))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     return path
@@ -331,8 +334,9 @@ def load_quantized(path: str | os.PathLike):
         model = Transformer(cfg)
     for name, (kind, n, k, bias) in meta["linears"].items():
         setattr_path(model, name, QLinear.empty(kind, n, k, bias, dtype))
-    if meta["embed"] == "lm_head":
-        model.embed = QEmbedding(model.lm_head)   # load_state_dict fills the head's buffers in place
+    # load_state_dict fills these modules' buffers in place
+    model.embed = (QEmbedding(model.lm_head) if meta["embed"] == "lm_head" else
+                   QEmbedding(QLinear.empty("int8", cfg.vocab_size, cfg.dim, False, dtype), owned=True))
     # clone(): safetensors hands out tensors at whatever offset they sit in the file; the packed kernels' vector
     # loads crashed (SIGSEGV) on such views of a cached lm_head, a fresh allocation is aligned.
     state = {k: v.clone() for k, v in load_file(str(path / "model.safetensors")).items()}

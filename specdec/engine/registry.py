@@ -1,6 +1,7 @@
 """Named model presets, and `load(name_or_path)` for presets, GGUF files and HF directories alike."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import os
@@ -70,6 +71,17 @@ def parse_dtype(name: str | torch.dtype | None, default: torch.dtype) -> torch.d
         raise ModelError(f"unknown dtype {name!r}", field="dtype", remedy=f"use one of {', '.join(DTYPES)}") from None
 
 
+def return_freed_memory() -> None:
+    """Fix glibc's mmap threshold at 1 MiB for this process. By default glibc raises the threshold after a large
+    block is freed, so later large buffers come from the heap and stay resident after they are freed: loading
+    Qwen2.5-Coder-1.5B int4 then held 1,866 MiB after a decode step and peaked at 2,964 MiB (measured), against
+    1,736 MiB and no peak with the threshold fixed. No effect where libc is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)          # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def load(name: str, dtype: str | torch.dtype | None = None, quant: str | None = None) -> LoadedModel:
     """A preset name, a .gguf file, or an HF model directory. Real models default to bf16, tiny ones to float64.
     `quant`: none | int8 | int4 weight-only quantized linears (engine/quant.py); a GGUF's is cached."""
@@ -78,6 +90,7 @@ def load(name: str, dtype: str | torch.dtype | None = None, quant: str | None = 
     if name in TINY:
         model = quantize_model(TINY[name](parse_dtype(dtype, torch.float64)), quant)
         return LoadedModel(name, model, CharTokenizer(model.cfg.vocab_size), time.perf_counter() - t0)
+    return_freed_memory()
     dt = parse_dtype(dtype, torch.bfloat16)
     if name in GGUF_PRESETS:
         path = GGUF_PRESETS[name]()
