@@ -101,7 +101,8 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     assert [planner.gamma(r) for r in reqs] == [0, 0, 6]           # drafting does not pay: no draft
     for _ in range(planner.explore_every - 2):
         assert [planner.gamma(r) for r in reqs] == [0, 0, 6]
-    assert [planner.gamma(r) for r in reqs] == [1, 1, 6]           # except one every explore_every steps,
+    assert [planner.gamma(r) for r in reqs] == [1, 1, 6]           # except one every explore_every steps (at
+                                                                    # the adaptive length, here 1),
     one = [Proposal(1, [2], [0.05]), Proposal(1, [2], [0.05]), props[2]]
     assert planner(reqs, one) == [2, 2, 7]                          # and that one is verified
     assert [planner.gamma(r) for r in reqs] == [0, 0, 6]
@@ -146,6 +147,7 @@ def test_planner_follows_measured_throughput_of_drafting_steps():
         planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)        # 4 tokens / 40 ms
         planner.observe(reqs, drafts, [5] * 4, [1] * 4, draft_ms=30.0, verify_ms=60.0)     # 8 tokens / 90 ms
     assert planner.draft_pays == pytest.approx(0.889, abs=0.01) and planner.gamma(reqs[0]) == 0
-    for _ in range(30):
+    assert [planner.gamma(reqs[0]) for _ in range(planner.explore_every - 1)][-1] == 4     # explores a full block
+    for _ in range(60):
         planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=30.0, verify_ms=60.0)     # 16 tokens / 90 ms
     assert planner.draft_pays > 1.5 and planner.gamma(reqs[0]) == 4

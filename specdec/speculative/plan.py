@@ -209,7 +209,8 @@ class CostPlanner:
             return 0
         self.undrafted[r.rid] = 0
         self.explore.add(r.rid)
-        return 1
+        # explore at the block length drafting would use, so the measured drafting steps are representative
+        return min(r.gamma, best_gamma(self.alpha[r.rid], c, r.gamma))
 
     def floors(self, reqs, caps: list[int]) -> list[int]:
         """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
@@ -256,8 +257,8 @@ class CostPlanner:
             B = len(reqs)
             rate = (B + sum(accepted)) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
             kind = "draft" if drafted else "plain"
-            prev = self.realized.get(kind)
-            self.realized[kind] = rate if prev is None else (1 - self.ema) * prev + self.ema * rate
+            prev = self.realized.get(kind)   # slower smoothing: one step's tokens vary from 1 to gamma + 1
+            self.realized[kind] = rate if prev is None else (1 - self.ema / 4) * prev + self.ema / 4 * rate
         for r, p, v, a in zip(reqs, props, vlen, accepted):
             if v <= 1:
                 continue
