@@ -123,7 +123,10 @@ class QLinear(nn.Module):
         return ((codes - 8) * scale + zero).reshape(N, K)
 
     def __getitem__(self, rows) -> torch.Tensor:
-        """Rows of the dequantised weight, in the model dtype (a drafter copying some of the head's rows)."""
+        """Rows of the dequantised weight, in the model dtype (a drafter copying some of the head's rows, an int8
+        embedding's lookup). int8 rows are dequantised alone, with dequantize's arithmetic."""
+        if self.kind == "int8":
+            return (self.qweight[rows].float() * self.scales[rows].float()[..., None]).to(self.dtype)
         return self.dequantize()[rows].to(self.dtype)
 
     def extra_repr(self) -> str:
@@ -147,9 +150,7 @@ class QEmbedding(nn.Module):
         return self.head
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.head
-        return (h.qweight.index_select(0, tokens).float() * h.scales.index_select(0, tokens).float()[:, None]).to(
-            h.dtype)
+        return self.head[tokens]
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
