@@ -55,8 +55,14 @@ test-sglang: install
 
 # Opt-in, never part of `make test`: the llama.cpp peer (`specdec bench --peer-llamacpp`, benchmarks/quant_bench.py).
 # pip compiles llama.cpp from the sdist: one compile job, niced, as the machine is shared (~20-40 min on 2 cores).
+# PEERS_CMAKE_ARGS: llama.cpp's build options. Its native build segfaulted in its AMX code on a Sapphire Rapids VM here
+# (general protection fault in libggml-cpu), so there: PEERS_CMAKE_ARGS="$(PEERS_NO_AMX)".
+PEERS_CMAKE_ARGS ?=
+PEERS_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 peers: install
-	CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 10 $(BIN)/python -m pip install -q -e '.[peers]'
+	CMAKE_ARGS="$(PEERS_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 10 $(BIN)/python -m pip install -q -e '.[peers]'
 
 bench-engine: install
 	$(BIN)/python benchmarks/engine_bench.py --model $(MODEL)

@@ -1,8 +1,12 @@
 """Packed ragged forward and KV rollback on float64 tiny models: exact to ~1e-12."""
 import pytest
+import torch
 
 from specdec.engine.engine import Engine
+from specdec.engine.kv_cache import KVPool
 from specdec.engine.layout import SeqInput
+from specdec.engine.model import rope, rotary_tables
+from specdec.engine.registry import load
 
 from .conftest import random_prompt
 
@@ -85,3 +89,33 @@ def test_padding_free_rows_counted(tiny_llama):
     s = [e.new_sequence() for _ in range(3)]
     e.forward([SeqInput(x, [1, 2, 3][: i + 1]) for i, x in enumerate(s)])
     assert e.rows_processed == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rope_equals_rotate_half(dtype):
+    """rope's x * cos + roll(x) * sin is the rotate-half formula bit for bit (negating sin is exact)."""
+    angles = torch.rand(11, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 100
+    x = torch.randn(11, 5, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    c, s = (t.to(dtype)[:, None, :] for t in (angles.cos(), angles.sin()))
+    x1, x2 = x.chunk(2, dim=-1)
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    assert torch.equal(rope(x, *(t.to(dtype) for t in rotary_tables(angles))), ref)
+
+
+def test_float32_kv_cache_changes_no_bit():
+    """The invariant engine stores a bf16 model's keys/values in float32 (the attention's dtype): the logits are
+    those of a bf16 cache cast at every read, bit for bit, for prefill, decode and a verify block."""
+    model = load("tiny-llama", "bf16").model
+    wide = Engine(model, kv_tokens=512, page_size=8)
+    narrow = Engine(model, kv_tokens=512, page_size=8)
+    narrow.kv = KVPool(model.cfg.n_layers, model.cfg.n_kv_heads, model.cfg.hd, 512, page_size=8,
+                       dtype=torch.bfloat16)
+    assert wide.kv.k.dtype == torch.float32
+    V = model.cfg.vocab_size
+    steps = [(random_prompt(V, 37, seed=0), 0), (random_prompt(V, 1, seed=1), 37), (random_prompt(V, 6, seed=2), 38)]
+    outs = []
+    for e in (wide, narrow):
+        s = e.new_sequence()
+        outs.append([e.forward([SeqInput(s, toks, start=start, logits="all")]).rows(0) for toks, start in steps])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

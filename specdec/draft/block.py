@@ -37,7 +37,7 @@ from torch import nn
 
 from ..engine.engine import Engine
 from ..engine.layout import SeqInput
-from ..engine.model import Transformer, rms_norm, rope
+from ..engine.model import Transformer, rms_norm, rope, rotary_tables
 from ..engine.quant import QLinear
 from ..speculative.accept import Mode, draft_sample
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
@@ -135,8 +135,9 @@ class BlockDraftModel(nn.Module):
         hd = D // c.n_heads
         inv = 1.0 / (10000.0 ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
         ang = torch.outer(torch.arange(c.window + c.gamma + 1, dtype=torch.float64), inv)
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
+        cos, sin = rotary_tables(ang)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def init_from_target(self, target: Transformer, vocab_ids: torch.Tensor) -> "BlockDraftModel":
         """Frozen embedding = the target's; head rows start as the target's lm_head rows of the draft vocabulary."""

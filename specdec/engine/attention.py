@@ -15,7 +15,8 @@ decode). Three rules make it so:
     one shape. BLAS picks kernels by row count (measured here: MKL's float32 GEMM gives a row different bits at 1-3
     rows than at >= 4, and float64 differs again on ragged tails); with one shape there is one kernel.
   - Accumulation: scores, softmax and the weighted sum in float32 for bf16/fp16 models (the model dtype otherwise),
-    softmax per row over the fixed padded length.
+    softmax per row over the fixed padded length. The engine keeps the KV cache in that dtype, so the gathers below
+    need no cast.
 Norms, RoPE and the MLP's pointwise ops are per-row already; linears run on the window of row counts where a
 start-up probe finds the BLAS row-invariant (engine/row_tiles.py).
 """
@@ -44,13 +45,15 @@ class AttnGroup:
                               # sees, -inf beyond its position
     _index: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def index(self, T: int, Hkv: int, g: int) -> tuple[torch.Tensor, ...]:
+    def index(self, T: int, Hkv: int, g: int, rs: int) -> tuple[torch.Tensor, ...]:
         """Gather indices, built by the first layer and reused by the others (every layer has the same layout):
-        q rows straight into GEMM layout [S, Hkv, Mp] (padding reads a zero row at T*H), K/V rows of the flat
+        q rows straight into GEMM layout [S, Hkv, Mp] from q's rows of `rs` head vectors (padding query rows read
+        row 0: a finite row whose outputs are never gathered back, and a row's scores do not depend on the other
+        rows of its tile), K/V rows of the flat
         [slots * Hkv, hd] cache, the GEMM output of the real rows back into [rows, H] order, the mask padded to Mp
         rows, the real rows, and whether they are every row of the forward in order (the output is then the
         layer's output)."""
-        if (T, Hkv, g) not in self._index:
+        if (T, Hkv, g, rs) not in self._index:
             S, m = self.rows.shape
             M, H, dev = m * g, Hkv * g, self.rows.device
             Mp = -(-M // QUERY_TILE) * QUERY_TILE
@@ -58,7 +61,7 @@ class AttnGroup:
             kvh = torch.arange(Hkv, device=dev)
             head = kvh[None, :, None] * g + (t % g)[None, None, :]                              # [1, Hkv, Mp]
             row = self.rows[:, None, (t // g).clamp(max=m - 1)]                                 # [S, 1, Mp]
-            q_idx = torch.where((t < M) & (row >= 0), row * H + head, T * H).reshape(-1)
+            q_idx = torch.where((t < M) & (row >= 0), row * rs + head, 0).reshape(-1)
             kv_idx = (self.slots[:, None, :] * Hkv + kvh[None, :, None]).reshape(-1)
             h = torch.arange(H, device=dev)
             o_idx = (torch.arange(S, device=dev)[:, None, None] * (Hkv * Mp) + (h // g)[None, None, :] * Mp
@@ -68,13 +71,13 @@ class AttnGroup:
             mask = self.mask.new_zeros(S, 1, Mp, self.mask.shape[-1])
             mask[:, 0, :M] = self.mask
             whole = rows.numel() == T and bool((rows == torch.arange(T, device=dev)).all())
-            self._index[T, Hkv, g] = q_idx, kv_idx, o_idx, mask, rows, whole
-        return self._index[T, Hkv, g]
+            self._index[T, Hkv, g, rs] = q_idx, kv_idx, o_idx, mask, rows, whole
+        return self._index[T, Hkv, g, rs]
 
 
 def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[AttnGroup]:
     """Computed once per forward from the layout, shared by every layer."""
-    acc = _acc_dtype(dtype)
+    acc = acc_dtype(dtype)
     buckets: dict[int, list] = {}
     for s in layout.seqs:
         start = s.read_slots.numel() - s.n
@@ -101,7 +104,7 @@ def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[A
     return groups
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
@@ -112,19 +115,22 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
     T, H, hd = q.shape
     Hkv = k_cache.shape[1]
     g = H // Hkv
-    acc = _acc_dtype(q.dtype)
+    acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(hd)
-    qz = torch.cat([q.reshape(T * H, hd), q.new_zeros(1, hd)])             # row T*H: the padding rows' zeros
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        q = q.contiguous()
+    rs = q.stride(0) // hd             # head vectors per row: q is usually the q part of the fused rotated q|k rows
+    qf = q.as_strided(((T - 1) * rs + H, hd), (hd, 1))                     # read in place, no copy
     out = None
     for grp in groups:
         S = grp.rows.shape[0]
         Lp = grp.slots.shape[1]
-        q_idx, kv_idx, o_idx, mask, rows, whole = grp.index(T, Hkv, g)
+        q_idx, kv_idx, o_idx, mask, rows, whole = grp.index(T, Hkv, g, rs)
         Mp = mask.shape[2]
         # Explicit bmm over (sequence, kv head, query tile): matmul would fold the tiles of a lone [1, tiles] batch
         # into one GEMM of tiles * 8 rows, whose bits differ (seen in float64 with one kv head per TP rank).
         B, nt = S * Hkv, Mp // QUERY_TILE
-        qt = qz.index_select(0, q_idx).to(acc).view(B * nt, QUERY_TILE, hd)
+        qt = qf.index_select(0, q_idx).to(acc).view(B * nt, QUERY_TILE, hd)
         kt = k_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(B, 1, Lp, hd)
         vt = v_cache.view(-1, hd).index_select(0, kv_idx).to(acc).view(B, 1, Lp, hd)
         kt, vt = (t.expand(B, nt, Lp, hd).reshape(B * nt, Lp, hd) for t in (kt, vt))   # a view when nt == 1

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InvalidRequest
-from .attention import plan_groups
+from .attention import acc_dtype, plan_groups
 from .kv_cache import KVPool
 from .layout import Layout, SeqInput, pack
 from .model import Transformer, post_attention, pre_attention
@@ -113,8 +113,11 @@ class Engine(PagedSequences):
         self.heads_per_kv = model.cfg.n_heads // model.cfg.n_kv_heads   # of this model's (shard's) own heads
         self.dtype = model.embed.weight.dtype
         self.device = model.embed.weight.device
+        # The invariant attention computes in float32 for bf16/fp16 models: keys/values are stored there (exactly, a
+        # widening cast) so each layer gathers them without a cast pass per forward (the cast of every cached key and
+        # value was most of a batch-64 decode step), at twice the KV bytes.
         self.kv = KVPool(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.hd, kv_tokens, page_size=page_size,
-                         dtype=self.dtype, device=self.device)
+                         dtype=acc_dtype(self.dtype) if batch_invariant else self.dtype, device=self.device)
         self.rows_processed = 0      # packed rows through the model so far (what compact verify saves)
 
     def healthy(self) -> bool:

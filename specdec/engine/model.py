@@ -54,8 +54,8 @@ class Attention(nn.Module):
     def attend(self, q, k, v, layout, k_cache, v_cache):
         """Write this step's keys/values at their positions' slots (rollback is just overwriting), then let each
         row attend to its sequence's cached prefix + causally within its new rows. The ragged part: always eager."""
-        k_cache.index_copy_(0, layout.write_slots, k)
-        v_cache.index_copy_(0, layout.write_slots, v)
+        k_cache.index_copy_(0, layout.write_slots, k.to(k_cache.dtype))     # a float32 cache under the invariant
+        v_cache.index_copy_(0, layout.write_slots, v.to(v_cache.dtype))     # attention (engine.py)
         if layout.attn_groups is not None:
             return attend_invariant(q, k_cache, v_cache, layout.attn_groups)
         return attend_fast(q, k_cache, v_cache, layout)
@@ -86,17 +86,23 @@ def rms_norm(x, w, eps: float):
 
 
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seq_len, hd/2] in float64: exact for float64 tests, correctly rounded when cast down."""
+    """cos/sin [max_seq_len, hd] (see rotary_tables) in float64: exact for float64 tests, correctly rounded when
+    cast down."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.hd, 2, dtype=torch.float64) / cfg.hd))
-    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos(), angles.sin()
+    return rotary_tables(torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq))
+
+
+def rotary_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """angles [P, hd/2] -> full-width (cos, cos) and (-sin, sin) tables [P, hd], the form `rope` multiplies by."""
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary embedding. x [T, heads, hd]; cos/sin [T, hd/2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    """Rotate-half rotary embedding, x [T, heads, hd] with cos/sin [T, hd] from rotary_tables:
+    [x1 c - x2 s, x2 c + x1 s] as x * cos + roll(x) * sin (bit for bit: negating s is exact), four ops instead of
+    eight (decode is dispatch-bound)."""
+    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin[:, None, :]
 
 
 class MLP(nn.Module):
