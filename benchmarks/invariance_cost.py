@@ -67,7 +67,9 @@ class Bed:
             if kv.length(s) == 0:
                 kv.write([(s, 0, self.n)])
                 dst = kv.slots(s, 0, self.n)
-                kv.k[:, dst], kv.v[:, dst] = src.e.kv.k[:, src_slots], src.e.kv.v[:, src_slots]
+                # the invariant engine's cache is float32, the fast path's bf16: cast across
+                kv.k[:, dst] = src.e.kv.k[:, src_slots].to(kv.k.dtype)
+                kv.v[:, dst] = src.e.kv.v[:, src_slots].to(kv.v.dtype)
 
     def decode(self, b: int):
         self.e.forward([SeqInput(s, [100 + i], logits="last") for i, s in enumerate(self.seqs[:b])])
