@@ -320,6 +320,10 @@ def single_stack() -> None:
     code, text = http_get(REST + "/metrics")
     gen = metric(text, "specdec:generation_tokens_total")
     check("/metrics", code == 200 and gen > 0, f"{len(text.splitlines())} lines, generation_tokens_total {gen:.0f}")
+    drafted = metric(text, "specdec:spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "specdec:spec_decode_num_accepted_tokens_total")
+    check("drafter drafts", drafted > 0, f"the draft container's drafter: {drafted:.0f} draft tokens verified, "
+          f"{accepted:.0f} accepted")
     check("target gRPC health", grpc_health(GRPC) == "SERVING", f"{GRPC} specdec.v1.Target SERVING")
 
     baseline = {p: chat(p, stream=False, max_tokens=96)[0] for p in PROMPTS[:3]}
