@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from specdec import wire
+from specdec import compute, wire
 from specdec.errors import InvalidRequest, KVPoolExhausted, SpecdecError
 from specdec.speculative.accept import Mode
 from specdec.speculative.propose import Drafter, DraftItem
@@ -145,7 +145,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         is cancelled (a cancelled await must not let the next call into the engine while this one still runs)."""
         async def run():
             async with self._lock:
-                return await asyncio.to_thread(fn, *args)
+                return await compute.run(fn, *args)
 
         task = asyncio.ensure_future(run())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())   # an abandoned task's error is not news
@@ -307,13 +307,13 @@ async def serve(args: argparse.Namespace) -> None:
     """Load the drafter, serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, in-flight calls get 5 s."""
     if args.threads:
         import torch
-        torch.set_num_threads(args.threads)
+        await compute.run(torch.set_num_threads, args.threads)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # Loading takes seconds (real models); in a thread, so a signal meanwhile still ends the process cleanly.
-    drafter = await asyncio.to_thread(make_drafter_from_args, args)
+    drafter = await compute.run(make_drafter_from_args, args)
     if stop.is_set():
         return
     try:

@@ -96,16 +96,19 @@ def parser() -> argparse.ArgumentParser:
 async def serve(args) -> int:
     import torch
 
+    from specdec import compute
+
     from specdec.engine.backend import open_backend
 
+    # Every torch call of this process runs on one thread (specdec/compute.py: OpenMP is slow across threads).
     if args.threads:
-        torch.set_num_threads(args.threads)
+        await compute.run(torch.set_num_threads, args.threads)
     if args.backend == "sglang":
         from specdec.engine.sglang_backend import open_sglang_for_server
-        lm = open_sglang_for_server(args)
+        lm = await compute.run(open_sglang_for_server, args)
     else:
-        lm = open_backend(args.model, tp=args.tp, dtype=args.dtype, device=args.device, kv_tokens=args.kv_tokens,
-                          batch_invariant=args.batch_invariant, quant=args.quant)
+        lm = await compute.run(open_backend, args.model, tp=args.tp, dtype=args.dtype, device=args.device,
+                               kv_tokens=args.kv_tokens, batch_invariant=args.batch_invariant, quant=args.quant)
     engine = lm.backend
     try:
         return await _serve(args, lm, engine)
@@ -116,6 +119,7 @@ async def serve(args) -> int:
 async def _serve(args, lm, engine) -> int:
     import uvicorn
 
+    from specdec import compute
     from specdec.speculative.generator import TraceWriter
     from specdec.state import open_store
 
@@ -147,7 +151,7 @@ async def _serve(args, lm, engine) -> int:
         from specdec.engine.engine import Engine
         from specdec.speculative.plan import ServicePlanner, profile_cost
         if isinstance(engine, Engine):      # the cost table is profiled on the engine (a few forwards)
-            planner = ServicePlanner(profile_cost(engine))
+            planner = ServicePlanner(await compute.run(profile_cost, engine))
     sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace, planner=planner)
     svc = TargetService(engine, sched, store, lm.tokenizer, model_name=lm.name, draft_name=draft_name,
                         gamma=args.gamma, mode=args.acceptance, metrics=metrics,

@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 
+from specdec import compute
 from specdec.engine.backend import Backend
 from specdec.errors import BackendDead
 from specdec.engine.tokenizer import StreamDecoder
@@ -198,7 +199,7 @@ class Scheduler:
             return
         try:
             async with self.engine_lock:
-                await asyncio.to_thread(self._prefill, admitted)
+                await compute.run(self._prefill, admitted)
         except BackendDead:
             self.running += admitted           # so _backend_down ends them with the others
             raise
@@ -263,7 +264,7 @@ class Scheduler:
         batch = list(self.running)
         before = [len(j.req.output) for j in batch]
         async with self.engine_lock:
-            info, failed, retried = await asyncio.to_thread(self._isolated_step, [j.req for j in batch])
+            info, failed, retried = await compute.run(self._isolated_step, [j.req for j in batch])
         self.steps += 1
         if retried and self.metrics:
             self.metrics.step_retries.labels(**self.metrics.labels).inc()
@@ -524,7 +525,7 @@ class Scheduler:
             for j in jobs:
                 forget(j.rid)
         if self.drafter is not None:
-            await asyncio.to_thread(self._release_drafts, [j.rid for j in jobs])
+            await compute.run(self._release_drafts, [j.rid for j in jobs])
 
     def _release_drafts(self, rids: list[str]) -> None:
         for rid in rids:

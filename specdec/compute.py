@@ -1,0 +1,43 @@
+"""One thread for all of a server process's torch work (model load, prefill, steps, drafting).
+
+PyTorch's CPU kernels run on OpenMP (libgomp), which gives every thread that enters a parallel region a team of
+worker threads of its own. While a process's OpenMP threads fit its cores, a team's workers spin between regions and
+a decode step's ~1,500 short regions start at once; once two threads have teams (e.g. the model loaded on the main
+thread, steps on asyncio.to_thread's rotating workers), libgomp finds more threads than cores, stops spinning, and
+every region pays a wake-up. Measured on 2 cores (SmolLM2 bf16 decode step, same engine): 39 ms when one thread does
+all torch work, 70-78 ms from a second thread, and the first thread stayed slow too; served through REST, a plain
+decode step took 72 ms before this module and 45 ms after it. So servers run torch on this one thread, through `run`
+(async) or `call` (from any thread; on this one it runs inline).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+
+_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
+_ident: list[int] = []
+
+
+def _mark() -> None:
+    _ident.append(threading.get_ident())
+
+
+_pool.submit(_mark).result()
+
+
+def on_compute_thread() -> bool:
+    return threading.get_ident() == _ident[0]
+
+
+async def run(fn, *args, **kwargs):
+    """await fn(*args, **kwargs) on the compute thread (calls queue behind each other, in order)."""
+    return await asyncio.get_running_loop().run_in_executor(_pool, functools.partial(fn, *args, **kwargs))
+
+
+def call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the compute thread, from any other thread (on it: directly, not to deadlock)."""
+    if on_compute_thread():
+        return fn(*args, **kwargs)
+    return _pool.submit(fn, *args, **kwargs).result()
