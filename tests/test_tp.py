@@ -3,6 +3,7 @@ speculative output against TP1 on float64 tiny models; SmolLM2 bf16 TP2 exactnes
 --tp 2 through the openai client, Redis and a draft server; a worker rank killed mid-stream."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -231,10 +232,14 @@ def draft(tmp):
 
 
 def _children(pid: int) -> list[int]:
-    try:
-        return [int(x) for x in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
+    """Child processes of every thread of pid (the target spawns its ranks from its torch thread, not the main one)."""
+    out = []
+    for task in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            out += [int(x) for x in open(task).read().split()]
+        except OSError:
+            pass
+    return out
 
 
 def _alive(pid: int) -> bool:
