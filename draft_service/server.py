@@ -141,8 +141,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
                                 "missing or invalid draft token (metadata authorization: Bearer <token>)")
 
     async def _exclusive(self, fn, *args):
-        """fn(*args) in a worker thread, holding the lock until the thread is done, even when the RPC that asked
-        is cancelled (a cancelled await must not let the next call into the engine while this one still runs)."""
+        """fn(*args) on the torch thread (specdec/compute.py), holding the lock until it is done, even when the RPC
+        that asked is cancelled (a cancelled await must not let the next call into the engine while this one still
+        runs)."""
         async def run():
             async with self._lock:
                 return await compute.run(fn, *args)

@@ -17,18 +17,11 @@ import functools
 import threading
 
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
-_ident: list[int] = []
-
-
-def _mark() -> None:
-    _ident.append(threading.get_ident())
-
-
-_pool.submit(_mark).result()
+_THREAD = _pool.submit(threading.get_ident).result()     # the pool's one thread, started here
 
 
 def on_compute_thread() -> bool:
-    return threading.get_ident() == _ident[0]
+    return threading.get_ident() == _THREAD
 
 
 async def run(fn, *args, **kwargs):

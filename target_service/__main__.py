@@ -97,7 +97,6 @@ async def serve(args) -> int:
     import torch
 
     from specdec import compute
-
     from specdec.engine.backend import open_backend
 
     # Every torch call of this process runs on one thread (specdec/compute.py: OpenMP is slow across threads).

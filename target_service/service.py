@@ -175,8 +175,6 @@ class TargetService:
             return await self._verify_locked(context, drafts, q, params, mode_)
 
     async def _verify_locked(self, context, drafts, q, params, mode_):
-        import asyncio
-
         def run():
             seq = self.engine.new_sequence()
             try:
