@@ -36,7 +36,8 @@ def data(tiny, tmp_path_factory):
     seen its test prompts accepts often, so the exactness checks see accepted and rejected drafts alike)."""
     out = tmp_path_factory.mktemp("drafter")
     ps = [{"prompt": "".join(chr(32 + t) for t in p)} for p in _prompts(96)]   # CharTokenizer: id = ord - 32
-    generate_data("tiny-llama", out, 1500, batch=8, max_new=40, shard_tokens=500, lm=tiny, prompts=ps)
+    generate_data("tiny-llama", out, 1500, batch=8, max_new=40, shard_tokens=500, lm=tiny, prompts=ps,
+                  self_prompts=False)
     return out
 
 
@@ -60,6 +61,42 @@ def test_prompts_exclude_evaluation_sets():
     from specdec.bench.prompts import CHAT
     texts = {it["messages"][0]["content"] if "messages" in it else it["prompt"] for it in training_prompts()}
     assert len(texts) > 500 and not texts & set(CHAT)
+
+
+def _docs(out):
+    """The documents of out/data: (tokens, prompt_len, self-written prompt) each."""
+    import json
+    man = json.loads((out / "data" / "manifest.json").read_text())
+    docs = []
+    for name in man["shards"]:
+        sh = load_file(str(out / "data" / name))
+        for tok in zip(sh["tokens"].split(sh["doc_len"].tolist()), sh["prompt_len"].tolist(), sh["self_prompt"].tolist()):
+            docs.append((tok[0].tolist(), tok[1], tok[2]))
+    return man, docs
+
+
+def test_self_written_prompts(tiny, tmp_path):
+    """Two documents in three answer a user turn the target sampled itself: the template's user header, the turn,
+    then the assistant header, with prompt_len at the first answer token; the others answer template prompts; the
+    data is a function of the seed."""
+    ps = [{"prompt": "".join(chr(32 + t) for t in p)} for p in _prompts(96, 4)]
+    kw = dict(batch=6, max_new=12, shard_tokens=300, lm=tiny, prompts=ps)
+    generate_data("tiny-llama", tmp_path / "a", 1200, **kw)
+    generate_data("tiny-llama", tmp_path / "b", 1200, **kw)
+    man, docs = _docs(tmp_path / "a")
+    assert man["self_prompts"] and _docs(tmp_path / "b")[1] == docs
+    before, after = tiny.tokenizer.user_turn()
+    templates = [tiny.tokenizer.encode(p["prompt"]) for p in ps]
+    mine = [d for d in docs if d[2]]
+    assert 0.5 < len(mine) / len(docs) < 0.8
+    for toks, plen, self_written in docs:
+        assert len(toks) > plen
+        if self_written:
+            asked = toks[len(before):plen - len(after)]
+            assert toks[:len(before)] == before and toks[plen - len(after):plen] == after and asked
+        else:
+            assert toks[:plen] in templates
+    assert len({tuple(d[0][:d[1]]) for d in mine}) == len(mine)          # every written turn differs
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -35,6 +35,13 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 
+    def user_turn(self) -> tuple[list[int], list[int]]:
+        """The chat template around one user message: (tokens before it, tokens after it up to the assistant's text)."""
+        text = self.hf.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=True,
+                                           tokenize=False)
+        before, _, after = text.partition("\x00")
+        return self.encode(before), self.encode(after)
+
 
 class CharTokenizer:
     """For tiny models: one token per character, ids folded into the vocabulary. Decodes to printable ASCII."""
@@ -50,6 +57,9 @@ class CharTokenizer:
 
     def chat(self, messages: list[dict]) -> list[int]:
         return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
+
+    def user_turn(self) -> tuple[list[int], list[int]]:
+        return self.encode("user: "), self.encode("\nassistant: ")
 
 
 def load_tokenizer(source: Path, gguf_file: str | None = None) -> Tokenizer:
