@@ -86,11 +86,11 @@ compose-test: install
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# The trained drafter (issue 14): the target's own greedy / T=0.7 answers to template prompts and to user turns it
-# writes itself, with its hidden states (>= 1M tokens, cached and resumable under ~/.cache/specdec/drafter/$(MODEL)/data),
-# then the block drafter and the EAGLE-style baseline trained on them (checkpoint + config + metrics next to the data);
+# The trained drafter (issue 14): the target's own greedy / T=0.7 answers to template prompts (TRAIN_ARGS=--self-prompts:
+# also to user turns it writes itself), with its hidden states (>= 1M tokens, cached and resumable under
+# ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and the EAGLE-style baseline trained on them (checkpoint + config + metrics next to the data);
 # then the block drafter is shipped into specdec/draft/checkpoints/$(MODEL) (bf16, committed). Rerunning resumes.
-# Data: ~170-195 tok/s on 2 cores (bf16 on a CPU with native bf16, else float32), 1.5-1.7 h for 1M tokens.
+# Data: 160-170 tok/s measured on 2 cores (bf16 where the CPU has native bf16, else float32): ~1.7 h for 1M tokens.
 # Small runs: TRAIN_ARGS="--tokens 20000 --steps 300 --data-minutes 10 --train-minutes 5".
 train-drafter: install
 	nice -n 19 $(BIN)/python -m specdec.draft.train all --model $(MODEL) --kind block,eagle --tokens 1000000 \

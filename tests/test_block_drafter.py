@@ -80,7 +80,7 @@ def test_self_written_prompts(tiny, tmp_path):
     then the assistant header, with prompt_len at the first answer token; the others answer template prompts; the
     data is a function of the seed."""
     ps = [{"prompt": "".join(chr(32 + t) for t in p)} for p in _prompts(96, 4)]
-    kw = dict(batch=6, max_new=12, shard_tokens=300, lm=tiny, prompts=ps)
+    kw = dict(batch=6, max_new=12, shard_tokens=300, lm=tiny, prompts=ps, self_prompts=True)
     generate_data("tiny-llama", tmp_path / "a", 1200, **kw)
     generate_data("tiny-llama", tmp_path / "b", 1200, **kw)
     man, docs = _docs(tmp_path / "a")

@@ -4,11 +4,11 @@
     python -m specdec.draft.train data --tokens 20000 --out DIR                  # just the data (resumable)
     python -m specdec.draft.train fit --out DIR --max-minutes 10                 # just training (resumable)
 
-Data (`data`): the target answers training prompts greedily and at T=0.7, batched on the engine. A third of the
-documents start from template prompts (below); the others from a user turn the target writes itself (sampled at
-T=1 after the chat template's user header, as Magpie does): ~900 template prompts alone made a drafter that agreed
-with the target at slot 1 on 0.49 of their answers but 0.27 on the bench chat set. Evaluation prompts (the bench chat
-set, HumanEval) are never used. Every fed position keeps its token, the target's top-1 next token, and the hidden
+Data (`data`): the target answers training prompts greedily and at T=0.7, batched on the engine: template prompts
+(below) and, with --self-prompts, for two documents in three a user turn the target writes itself (sampled at T=1
+after the chat template's user header, as Magpie does): ~900 template prompts alone made a drafter that agreed with
+the target at slot 1 on 0.49 of their answers but 0.27 on the bench chat set. Evaluation prompts (the bench chat set,
+HumanEval) are never used. Every fed position keeps its token, the target's top-1 next token, and the hidden
 states of the chosen layers (bf16). Finished documents go to shards (safetensors, written atomically); a rerun continues after the last
 shard with new documents (the ones running when it stopped are stored as far as they got).
 
@@ -121,7 +121,7 @@ def _doc_plan(doc_id: int, n_prompts: int, self_prompts: bool) -> tuple[int | No
 def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...] | None = None, batch: int = 16,
                   max_new: int = 192, shard_tokens: int = 32768, seed: int = 0, dtype: str | None = None,
                   max_minutes: float | None = None, lm=None, prompts: list[dict] | None = None,
-                  self_prompts: bool = True) -> dict:
+                  self_prompts: bool = False) -> dict:
     """Run the target on training prompts until `tokens` fed positions are on disk under out/data. Resumable.
     self_prompts: two documents in three start from a user turn the target samples itself (the chat template's user
     header, then T=1 until it ends the turn or MAX_ASK tokens); their prompt_len covers it and the assistant header."""
@@ -462,8 +462,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", default=None, help="target layers, e.g. 1,15,28 (default low/mid/high)")
     ap.add_argument("--gen-batch", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=192)
-    ap.add_argument("--self-prompts", action=argparse.BooleanOptionalAction, default=True,
-                    help="two documents in three answer a user turn the target wrote itself (new data only)")
+    ap.add_argument("--self-prompts", action=argparse.BooleanOptionalAction, default=False,
+                    help="two documents in three answer a user turn the target wrote itself (new data only; not yet "
+                         "shown better: see the README)")
     ap.add_argument("--data-minutes", type=float, default=None, help="stop data generation after this long")
     ap.add_argument("--kind", default="block", help="block | eagle | block,eagle (both, same data)")
     ap.add_argument("--steps", type=int, default=6000)
