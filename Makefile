@@ -88,8 +88,8 @@ clean:
 
 # The trained drafter (issue 14): the target's own greedy / T=0.7 answers to template prompts (TRAIN_ARGS=--self-prompts:
 # also to user turns it writes itself), with its hidden states (>= 1M tokens, cached and resumable under
-# ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and the EAGLE-style baseline trained on them (checkpoint + config + metrics next to the data);
-# then the block drafter is shipped into specdec/draft/checkpoints/$(MODEL) (bf16, committed). Rerunning resumes.
+# ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and the EAGLE-style baseline trained on them
+# (checkpoint + config + metrics next to the data); then the block drafter is shipped into specdec/draft/checkpoints/$(MODEL) (bf16, committed). Rerunning resumes.
 # Data: 160-170 tok/s measured on 2 cores (bf16 where the CPU has native bf16, else float32): ~1.7 h for 1M tokens.
 # Small runs: TRAIN_ARGS="--tokens 20000 --steps 300 --data-minutes 10 --train-minutes 5".
 train-drafter: install

@@ -9,8 +9,8 @@ Data (`data`): the target answers training prompts greedily and at T=0.7, batche
 after the chat template's user header, as Magpie does): ~900 template prompts alone made a drafter that agreed with
 the target at slot 1 on 0.49 of their answers but 0.27 on the bench chat set. Evaluation prompts (the bench chat set,
 HumanEval) are never used. Every fed position keeps its token, the target's top-1 next token, and the hidden
-states of the chosen layers (bf16). Finished documents go to shards (safetensors, written atomically); a rerun continues after the last
-shard with new documents (the ones running when it stopped are stored as far as they got).
+states of the chosen layers (bf16). Finished documents go to shards (safetensors, written atomically); a rerun
+continues after the last shard with new documents (the ones running when it stopped are stored as far as they got).
 
 Training (`fit`): examples are anchors a in the generated part of a document; slot j (1..gamma) sees the context rows
 of positions a-W..a-1 and is trained to predict the target's top-1 at position a+j-1 (cross-entropy over the draft
@@ -98,9 +98,7 @@ def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 bf16 or AMX). Without it bf16 GEMMs go through float32
     conversions: on a 2-core AVX2 EPYC a SmolLM2 decode step of 64 sequences took 1,350 ms in bf16 (batch-invariant
     engine) and 332 ms in float32 (fast engine), and a drafter training step under bf16 autocast 14 s (0.63 s without)."""
-    c = torch.cpu
-    return bool(getattr(c, "_is_avx512_bf16_supported", lambda: False)()
-                or getattr(c, "_is_amx_tile_supported", lambda: False)())
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 SELF_EVERY = 3          # with self prompts: documents doc_id % 3 == 0 answer a template prompt, the others their own

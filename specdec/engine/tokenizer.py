@@ -13,7 +13,19 @@ from ..errors import ModelError
 from .assets import cache_dir
 
 
-class Tokenizer:
+class _Chat:
+    """chat() and user_turn() from a tokenizer's chat_text(messages): the prompt text of a conversation."""
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.chat_text(messages))
+
+    def user_turn(self) -> tuple[list[int], list[int]]:
+        """The chat template around one user message: (tokens before it, tokens after it up to the assistant's text)."""
+        before, _, after = self.chat_text([{"role": "user", "content": "\x00"}]).partition("\x00")
+        return self.encode(before), self.encode(after)
+
+
+class Tokenizer(_Chat):
     """The few operations the system needs, over a transformers tokenizer."""
 
     def __init__(self, hf):
@@ -29,21 +41,13 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
-    def chat(self, messages: list[dict]) -> list[int]:
+    def chat_text(self, messages: list[dict]) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ModelError("this model's tokenizer has no chat template", field="chat", remedy="send a plain prompt")
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.encode(text)
-
-    def user_turn(self) -> tuple[list[int], list[int]]:
-        """The chat template around one user message: (tokens before it, tokens after it up to the assistant's text)."""
-        text = self.hf.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=True,
-                                           tokenize=False)
-        before, _, after = text.partition("\x00")
-        return self.encode(before), self.encode(after)
+        return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-class CharTokenizer:
+class CharTokenizer(_Chat):
     """For tiny models: one token per character, ids folded into the vocabulary. Decodes to printable ASCII."""
 
     def __init__(self, vocab_size: int, eos_id: int = 0):
@@ -55,11 +59,8 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(32 + i % 95) for i in ids if i not in self.eos_ids)
 
-    def chat(self, messages: list[dict]) -> list[int]:
-        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: ")
-
-    def user_turn(self) -> tuple[list[int], list[int]]:
-        return self.encode("user: "), self.encode("\nassistant: ")
+    def chat_text(self, messages: list[dict]) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
 def load_tokenizer(source: Path, gguf_file: str | None = None) -> Tokenizer:
