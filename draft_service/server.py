@@ -348,6 +348,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from specdec.engine.quant import MODES as QUANT_MODES
     p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec gRPC draft server")
     p.add_argument("--host", default=_env("SPECDEC_DRAFT_HOST", "127.0.0.1"),
                    help="bind address (loopback by default; 0.0.0.0 to serve other hosts) [SPECDEC_DRAFT_HOST]")
@@ -367,8 +368,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bf16 (default for real models) | fp32 | fp64 (default for tiny-*) [SPECDEC_DTYPE]")
     p.add_argument("--device", default=_env("SPECDEC_DEVICE", "cpu"),
                    help="cpu | cuda | cuda:N: where a model drafter runs [SPECDEC_DEVICE]")
-    p.add_argument("--quant", default=_env("SPECDEC_DRAFT_QUANT", "none"), choices=["none", "int8", "int4"],
-                   help="weight-only quantized linears for the draft model (layer-skip: the target's layers it "
+    p.add_argument("--quant", default=_env("SPECDEC_DRAFT_QUANT", "none"), choices=QUANT_MODES,
+                   help="quantized linears for the draft model (layer-skip: the target's layers it "
                         "keeps) [SPECDEC_DRAFT_QUANT]")
     p.add_argument("--kv-tokens", type=int, default=int(_env("SPECDEC_KV_TOKENS", 16384)),
                    help="draft KV pool in tokens; idle sessions are evicted (LRU) when full [SPECDEC_KV_TOKENS]")

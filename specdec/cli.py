@@ -32,9 +32,11 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 def add_quant_arg(p: argparse.ArgumentParser, flag: str = "--quant", env: str = "SPECDEC_QUANT",
                   what: str = "the target") -> None:
     # choices= makes argparse name the flag and the allowed values; an env value is checked by registry.load.
-    p.add_argument(flag, default=os.environ.get(env, "none"), choices=["none", "int8", "int4"],
-                   help=f"weight-only quantized linears for {what}: int8 per channel, int4 groups of 32 (from a "
-                        f"GGUF's own 4-bit blocks where it has them); cached like the converted weights [{env}]")
+    from .engine.quant import MODES as QUANT_MODES
+    p.add_argument(flag, default=os.environ.get(env, "none"), choices=QUANT_MODES,
+                   help=f"quantized linears for {what}: weight-only int8 per channel or int4 groups of 32; w8a8 / "
+                        f"w4a8: 8- / 4-bit weights times int8 activations (our kernel); 4-bit from a GGUF's own "
+                        f"blocks where it has them; cached like the converted weights [{env}]")
 
 
 def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ def env_flag(name: str, default: bool) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
+    from specdec.engine.quant import MODES as QUANT_MODES
     ap = argparse.ArgumentParser(prog="target_service", description=__doc__)
     ap.add_argument("--host", default=env("HOST", "127.0.0.1"), help="bind address for REST and gRPC")
     ap.add_argument("--port", type=int, default=int(env("PORT", 8000)), help="REST port")
@@ -37,8 +38,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=env("MODEL", "smollm2-135m"), help="target model preset or path")
     ap.add_argument("--dtype", default=env("DTYPE"), help="bf16 | fp32 | fp64 (default: bf16; fp64 for tiny-*)")
     ap.add_argument("--kv-tokens", type=int, default=int(env("KV_TOKENS", 32768)))
-    ap.add_argument("--quant", default=env("QUANT", "none"), choices=["none", "int8", "int4"],
-                    help="weight-only quantized linears (engine/quant.py), cached like the converted weights "
+    ap.add_argument("--quant", default=env("QUANT", "none"), choices=QUANT_MODES,
+                    help="quantized linears (engine/quant.py), cached like the converted weights "
                          "[SPECDEC_QUANT]")
     ap.add_argument("--tp", type=int, default=int(env("TP", 1)),
                     help="tensor-parallel ranks: this process is rank 0 and starts ranks 1..N-1 [SPECDEC_TP]")

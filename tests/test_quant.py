@@ -54,6 +54,14 @@ def test_gguf_blocks_convert_bitwise(qtype):
         assert torch.equal(kernel_w, ref)
     assert Q.gguf_int4(data, QT.Q8_0, (N, K)) is None                       # other types are requantized
 
+    # w4a8 keeps scale and offset in fp16, the type Q4_0 / Q4_1 store them in: their weights are the file's bitwise;
+    # Q4_K's scale (d times a 6-bit sub-block scale) is rounded to fp16 (11-bit mantissa)
+    q4 = Q.QLinear.q(4, codes, scale, offset, dtype=torch.float32).dequantize()
+    if qtype == QT.Q4_K:
+        assert (q4 - ref).abs().max() <= 2 ** -11 * 16 * scale.abs().max() + 2 ** -11 * offset.abs().max()
+    else:
+        assert torch.equal(q4, ref)
+
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -82,12 +90,51 @@ def test_qlinear_matches_dequantized_matmul(kind, dtype):
     assert (lin.dequantize() - w).abs().max() <= step * 0.51 + 2 ** -7 * w.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+def _qlinear(kind: str, w: torch.Tensor, dtype=torch.bfloat16) -> Q.QLinear:
+    return {"int4": lambda: Q.QLinear.int4(*Q.quantize_int4(w), dtype=dtype),
+            "int8": lambda: Q.QLinear.int8(*Q.quantize_int8(w), dtype=dtype),
+            "q4": lambda: Q.QLinear.q(4, *Q.quantize_int4(w), dtype=dtype),
+            "q8": lambda: Q.QLinear.q(8, *Q.quantize_q8(w), dtype=dtype)}[kind]()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_qdot_matches_its_reference(bits, dtype):
+    """Our int8-activation kernel (engine/kernels/qdot.cpp) against its float64 twin (same activation rounding, exact
+    sums): the integer dots are exact, so what differs is float32 accumulation and rounding the output to `dtype`:
+    |y - ref| <= u |ref| + 2^-20 sum |terms| (u = 2^-8 bf16, 2^-20 float32). A misplaced group or nibble, or a
+    wrong scale, is an error of order |ref|, which the same bound catches (checked on a rolled weight)."""
+    from specdec.engine import kernels
+    g = torch.Generator().manual_seed(2)
+    N, K = 200, 576 if bits == 4 else 320              # K/32 = 18 and 10: the 8-group vector loop and its tail
+    w = torch.randn(N, K, generator=g) * 0.02
+    codes, scale, offset = Q.quantize_int4(w) if bits == 4 else Q.quantize_q8(w)
+    lin = Q.QLinear.q(bits, codes, scale, offset, dtype=dtype)
+    s16, o16 = lin.scales, lin.offsets                # the fp16 scales the kernel reads
+    x = torch.randn(9, K, generator=g)
+    x[2] *= 300                                       # a row of large activations
+    x[4, :32] = 0                                     # an all-zero group
+    x = x.to(dtype)
+    ref = kernels.qdot_reference(x, codes, s16, o16)
+    xq, a = kernels.quantize_activations(x)
+    terms = (a.double()[:, None, :] * s16.double()[None]).abs() * \
+        torch.einsum("mgj,ngj->mng", xq.double().abs(), codes.reshape(N, -1, 32).double())
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20
+    bound = u * ref.abs() + 2.0 ** -20 * (terms.sum(-1) + (a.double() * xq.double().abs().sum(-1)) @ o16.double().abs().t())
+    y = lin.mm(x)
+    assert y.dtype == dtype and ((y.double() - ref).abs() <= bound).all()
+    assert not ((kernels.qdot_reference(x, codes.roll(32, dims=1), s16, o16) - ref).abs() <= bound).all()
+    # the dequantised weight is what the kernel multiplies, and the rounded activations are near x (half a step)
+    assert torch.allclose(x.double() @ lin.dequantize().double().t(), ref, rtol=0.05, atol=0.05 * ref.abs().max())
+    assert ((xq * a[..., None]).reshape(x.shape) - x.float()).abs().le(a.repeat_interleave(32, 1) * 0.5001).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "q8", "q4"])
 def test_packed_kernels_row_invariant(kind):
     """A row's output bits do not depend on how many rows share the call (the engine probes this at start-up)."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(960, 576, generator=g) * 0.02
-    lin = (Q.QLinear.int4(*Q.quantize_int4(w)) if kind == "int4" else Q.QLinear.int8(*Q.quantize_int8(w)))
+    lin = _qlinear(kind, w, torch.bfloat16)
     x = torch.randn(40, 576, generator=g).bfloat16()
     alone = torch.cat([lin.mm(x[i:i + 1]) for i in range(40)])
     for n in (1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 40):
@@ -95,8 +142,9 @@ def test_packed_kernels_row_invariant(kind):
     assert probe_row_tiles([lin]) == RowTiles(1, 64)
 
 
-def test_cache_round_trip(tmp_path):
-    m = Q.quantize_model(load("tiny-qwen2", "bf16").model, "int4")
+@pytest.mark.parametrize("mode", ["int4", "w4a8"])
+def test_cache_round_trip(tmp_path, mode):
+    m = Q.quantize_model(load("tiny-qwen2", "bf16").model, mode)
     Q.save_quantized(m, tmp_path / "q")
     m2 = Q.load_quantized(tmp_path / "q")
     p = random_prompt(m.cfg.vocab_size, 12, seed=3)
@@ -104,7 +152,7 @@ def test_cache_round_trip(tmp_path):
     assert isinstance(m2.lm_head, Q.QLinear) and isinstance(m2.layers[1].mlp.w_down, Q.QLinear)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
 def test_tied_embedding_is_read_from_the_int8_head(tmp_path, mode):
     """A tied model keeps one int8 table: the embedding looks rows up in the output head (no bf16 table is left in
     the model), each row bitwise the head's dequantised row, and the cache round trip keeps the link."""
@@ -149,9 +197,8 @@ PAIRS = [("tiny-llama", "tiny-llama-draft"), ("tiny-qwen2", "tiny-qwen2-draft")]
 
 @pytest.fixture(scope="module")
 def qmodels():
-    """Every tiny target/draft in bf16, quantized int8 and int4: {(name, mode): model}."""
-    return {(n, mode): load(n, "bf16", quant=mode).model for pair, mode in ((PAIRS[0], "int8"), (PAIRS[1], "int4"))
-            for n in pair}
+    """Tiny targets/drafts in bf16, quantized: {(name, mode): model}."""
+    return {(n, mode): load(n, "bf16", quant=mode).model for pair, mode in QUANT_PAIRS for n in pair}
 
 
 def _prompts(V):
@@ -167,9 +214,13 @@ def _speculative(model, drafter, prompts, params, n, **kw):
     return [o.tokens for o in gen.generate([GenRequest(p, params, n) for p in prompts])]
 
 
-@pytest.mark.parametrize("pair,mode", [(PAIRS[0], "int8"), (PAIRS[1], "int4")], ids=["llama-int8", "qwen2-int4"])
+QUANT_PAIRS = [(PAIRS[0], "int8"), (PAIRS[1], "int4"), (PAIRS[0], "w4a8")]
+
+
+@pytest.mark.parametrize("pair,mode", QUANT_PAIRS, ids=["llama-int8", "qwen2-int4", "llama-w4a8"])
 def test_quantized_speculative_equals_target_only(qmodels, pair, mode):
-    """(Kept small for `make test`: llama int8, and qwen2 int4 which adds the qkv bias.)"""
+    """(Kept small for `make test`: llama int8, qwen2 int4 which adds the qkv bias, and llama w4a8 (int8 activations,
+    whose rounding of a row must not depend on the rows verified beside it).)"""
     target, draft = qmodels[pair[0], mode], qmodels[pair[1], mode]
     assert Q.is_quantized(target) and Q.is_quantized(draft)
     prompts = _prompts(target.cfg.vocab_size)
@@ -201,8 +252,9 @@ def test_smollm2_int4_weights_are_the_files(smollm2_int4, smollm2):
 
 
 @pytest.mark.slow
-def test_smollm2_int4_speculative_equals_target_only(smollm2_int4):
-    lm, n = smollm2_int4, 12
+@pytest.mark.parametrize("mode", ["int4", "w4a8"])
+def test_smollm2_quantized_speculative_equals_target_only(smollm2_int4, mode):
+    lm, n = smollm2_int4 if mode == "int4" else load("smollm2-135m", quant=mode), 12
     # One short code prompt (`make test` budget): the packed int4 kernel dequantises per row, so prefill rows dominate.
     prompts = [lm.tokenizer.encode("def fibonacci(n):\n    ")]
     d = make_drafter("layer-skip", lm.model, skip="0-11,18-29", kv_tokens=16384)

@@ -1,4 +1,6 @@
-"""Weight-only quantized linears: int8 per output channel, int4 in groups of 32 along the input dim.
+"""Quantized linears. Weight-only: int8 per output channel, int4 in groups of 32 along the input dim (PyTorch's
+kernels, activations in the model dtype). With int8 activations: w8a8 / w4a8, 8- or 4-bit weight codes in groups of
+32 times activations quantized to int8 per group of 32 on the fly (our kernel, engine/kernels/qdot.cpp).
 
     model = quantize_model(model, "int4", gguf_path)   # block linears int4, lm_head int8
     logits = linear(x, layer.attn.wqkv.weight, bias)   # the packed kernel for a QLinear, F.linear for a tensor
@@ -19,6 +21,12 @@ Where the weights come from (what is exact and what is requantized):
 - int8 (and the lm_head in int4 mode, which llama.cpp's Q4_K_M also keeps wider): dequantised to float32, then
   requantized per output row, scale = max|w| / 127. A GGUF block's own scale varies every 32 (or 16) inputs, so no
   GGUF type maps exactly onto one scale per row.
+- w4a8 ("q4" linears; the head "q8", which llama.cpp's Q4_K_M also keeps wider): codes and per-group scale and
+  offset (w = scale * q + offset) in fp16. From Q4_0 / Q4_1 blocks the weights are the file's exactly (fp16 is the
+  file's own scale type); from Q4_K, scale = d * sub-block scale is rounded to fp16 (11-bit mantissa; int4 mode's
+  bf16 has 8); other types are requantized per group (min/max, 16 levels; q8: max|w|/127 symmetric, 255 levels).
+  Activations are rounded to int8 per row and group of 32 (scale max|x|/127), as llama.cpp's Q8_0 does: an
+  approximation of its own, measured against bf16 in benchmarks/quant_bench.py.
 The token embedding is an int8 table too (QEmbedding, per-row scale, like the head): a tied model's is the head's own
 table, an untied model's is requantized from its embedding.
 """
@@ -36,9 +44,10 @@ from torch import nn
 
 from ..errors import ModelError
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "w8a8", "w4a8")
+BITS = {"q4": 4, "q8": 8}        # QLinear kinds computed by kernels.qdot
 GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
-CACHE_FORMAT = 3                 # bump when the cached layout changes
+CACHE_FORMAT = 4                 # bump when the cached layout changes
 
 
 def check_mode(mode: str | None) -> str:
@@ -55,12 +64,14 @@ class QLinear(nn.Module):
     The packed tensors are buffers, so state_dict / safetensors caching and `.to()` work as for any module."""
 
     def __init__(self, kind: str, out_features: int, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, offsets: torch.Tensor | None = None, dtype=None):
         super().__init__()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
-        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]
-        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]
+        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q4 / q8: below
+        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4 / q8: fp16 [N, K/32]
+        self.register_buffer("offsets", offsets)   # q4 / q8 only: fp16 [N, K/32]
         self.register_buffer("bias", bias)
+        self._dtype = dtype or scales.dtype        # the activations' (model's) dtype
 
     @property
     def weight(self) -> "QLinear":
@@ -68,7 +79,7 @@ class QLinear(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.scales.dtype
+        return self._dtype
 
     @property
     def device(self) -> torch.device:
@@ -94,21 +105,42 @@ class QLinear(nn.Module):
         return cls("int8", N, K, q.contiguous(), scale.to(dtype), None if bias is None else bias.to(dtype))
 
     @classmethod
+    def q(cls, bits: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias=None,
+          dtype=torch.bfloat16) -> "QLinear":
+        """For kernels.qdot: codes uint8 [N, K] (0..15 or 0..255), scale/offset [N, K/32]: w = scale * q + offset.
+        4-bit codes are packed two a byte: byte j of a pair of groups holds code j of each (qdot.cpp's layout)."""
+        N, K = codes.shape
+        if K % (2 * GROUP):
+            raise ModelError(f"the int8-activation kernel needs in_features divisible by 64, not {K}", field="quant")
+        if bits == 4:
+            c = codes.reshape(N, K // (2 * GROUP), 2, GROUP)
+            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, K // 2)
+        return cls(f"q{bits}", N, K, codes.contiguous(), scale.to(torch.float16).contiguous(),
+                   None if bias is None else bias.to(dtype), offset.to(torch.float16).contiguous(), dtype)
+
+    @classmethod
     def empty(cls, kind: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> "QLinear":
         """Placeholder tensors of the right shapes (meta device), for loading a cached state dict."""
         N, K = out_features, in_features
         with torch.device("meta"):
+            off = None
             if kind == "int4":
                 qw, sc = torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(K // GROUP, N, 2, dtype=dtype)
-            else:
+            elif kind == "int8":
                 qw, sc = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=dtype)
+            else:
+                qw = torch.empty(N, K * BITS[kind] // 8, dtype=torch.uint8)
+                sc, off = (torch.empty(N, K // GROUP, dtype=torch.float16) for _ in range(2))
             b = torch.empty(N, dtype=dtype) if bias else None
-        return cls(kind, N, K, qw, sc, b)
+        return cls(kind, N, K, qw, sc, b, off, dtype)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()                              # the kernels want dense rows
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales)
+        elif self.kind in BITS:
+            from . import kernels
+            y = kernels.qdot(x, self.qweight, self.scales, self.offsets, BITS[self.kind])
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
@@ -118,6 +150,8 @@ class QLinear(nn.Module):
         N, K = self.out_features, self.in_features
         if self.kind == "int8":
             return self.qweight.float() * self.scales.float()[:, None]
+        if self.kind in BITS:
+            return self._q_rows(slice(None))
         codes = unpack_int4(self.qweight, N, K).float().reshape(N, K // GROUP, GROUP)
         scale, zero = (self.scales[..., i].t().float()[..., None] for i in (0, 1))
         return ((codes - 8) * scale + zero).reshape(N, K)
@@ -127,7 +161,19 @@ class QLinear(nn.Module):
         embedding's lookup). int8 rows are dequantised alone, with dequantize's arithmetic."""
         if self.kind == "int8":
             return (self.qweight[rows].float() * self.scales[rows].float()[..., None]).to(self.dtype)
+        if self.kind in BITS:
+            return self._q_rows(rows).to(self.dtype)
         return self.dequantize()[rows].to(self.dtype)
+
+    def _q_rows(self, rows) -> torch.Tensor:
+        """float32 rows of a q4 / q8 weight: scale * code + offset per group."""
+        q = self.qweight[rows]
+        if self.kind == "q4":      # unpack: byte j of a pair of groups holds code j of each (low nibble first)
+            q = q.reshape(*q.shape[:-1], -1, 1, GROUP)
+            q = torch.cat([q & 0x0F, q >> 4], dim=-2).flatten(-3)
+        q = q.reshape(*q.shape[:-1], -1, GROUP)
+        w = q.float() * self.scales[rows].float()[..., None] + self.offsets[rows].float()[..., None]
+        return w.reshape(*w.shape[:-2], self.in_features)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -250,6 +296,9 @@ def _gguf_parts(name: str, tied: bool) -> list[str]:
 
 
 def _kind(mode: str, name: str) -> str:
+    """The linear kind of `name` in `mode`: the output head keeps 8 bits in the 4-bit modes."""
+    if mode in ("w8a8", "w4a8"):
+        return "q8" if mode == "w8a8" or name == "lm_head" else "q4"
     return "int8" if mode == "int8" or name == "lm_head" else "int4"
 
 
@@ -282,9 +331,24 @@ def quantize_model(model, mode: str, gguf_path: str | os.PathLike | None = None)
     return model
 
 
+def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric per group of 32 as unsigned codes for qdot: q = round(w / s) + 128 in 1..255, s = max|w| / 127,
+    offset = -128 s. Returns codes uint8 [N, K], scale and offset float32 [N, K/32]."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    scale = g.abs().amax(-1) / 127
+    # fp16 holds the scale: quantize with the rounded one (and keep a zero group's codes at 128)
+    scale = scale.to(torch.float16).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((g / safe[..., None]).round().clamp(-127, 127) + 128).to(torch.uint8).reshape(N, K)
+    return codes, scale, -128 * scale
+
+
 def _quantize_one(kind, w, bias, gguf_tensors, cfg, dtype) -> QLinear:
     if kind == "int8":
         return QLinear.int8(*quantize_int8(w.float()), bias=bias, dtype=dtype)
+    if kind == "q8":
+        return QLinear.q(8, *quantize_q8(w.float()), bias=bias, dtype=dtype)
     pieces, start = [], 0
     for t in gguf_tensors or [None]:
         n = w.shape[0] if t is None else int(t.shape[-1])
@@ -297,6 +361,8 @@ def _quantize_one(kind, w, bias, gguf_tensors, cfg, dtype) -> QLinear:
         pieces.append(exact if exact is not None else quantize_int4(w[start:start + n].float()))
         start += n
     codes, scale, offset = (torch.cat(p) for p in zip(*pieces))
+    if kind == "q4":
+        return QLinear.q(4, codes, scale, offset, bias=bias, dtype=dtype)
     return QLinear.int4(codes, scale, offset, bias=bias, dtype=dtype)
 
 

@@ -1,0 +1,95 @@
+"""Our own CPU kernels, compiled on first use for the machine they run on (torch.utils.cpp_extension, ninja, the
+system C++ compiler; -march=native, so the build is cached per CPU and source).
+
+    from specdec.engine import kernels
+    y = kernels.qdot(x, codes, scale, offset, bits=4)   # qdot.cpp: 4/8-bit weights x int8 activations
+
+PyTorch has no CPU kernel that multiplies 4-bit weights by int8 activations: its `_weight_int4pack_mm_for_cpu`
+dequantises the weights for every row of x in bf16, so it is compute-bound (~17 GB/s of weights for one row on a
+2-core EPYC) and its cost grows with the rows of a verify. qdot reads each weight group once per tile of rows and
+multiplies it in int8 with VNNI (or AVX2), as llama.cpp does.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from ...errors import ModelError
+
+SOURCE = Path(__file__).with_name("qdot.cpp")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def _load() -> None:
+    from torch.utils import cpp_extension
+
+    from ..assets import cache_dir
+    flags = _cpu_flags()
+    if " avx2" not in flags or " fma" not in flags:
+        raise ModelError("the int8-activation kernels need a CPU with AVX2 and FMA", field="quant",
+                         remedy="use --quant int4 or int8 (PyTorch's weight-only kernels)")
+    # SPECDEC_KERNEL_CFLAGS: extra compiler flags, e.g. "-mno-avx512vnni" to build (and test) the AVX2 path
+    extra = os.environ.get("SPECDEC_KERNEL_CFLAGS", "").split()
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()
+                         + " ".join(extra).encode()).hexdigest()[:12]
+    build = cache_dir() / "kernels" / f"qdot-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:   # the ninja package's binary, where PATH lacks one (a venv run without activating it)
+        import ninja
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
+    try:
+        cpp_extension.load(name="specdec_qdot", sources=[str(SOURCE)], build_directory=str(build),
+                           extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra],
+                           is_python_module=False, verbose=os.environ.get("SPECDEC_VERBOSE_BUILD") == "1")
+    except Exception as e:   # no compiler / ninja: say so rather than fail deep inside a forward
+        raise ModelError(f"could not build the int8-activation kernels: {e}", field="quant",
+                         remedy="install a C++ compiler (g++) and ninja, or use --quant int4 / int8") from None
+
+
+def qdot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g] (see qdot.cpp);
+    x's dtype in and out, float32 inside."""
+    _load()
+    return torch.ops.specdec.qdot(x, codes, scale, offset, bits)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K/32, 32] in -127..127 as float32, a [M, K/32]): qdot's per-group int8 rounding."""
+    M, K = x.shape
+    xg = x.float().reshape(M, K // 32, 32)
+    a = xg.abs().amax(-1) / 127
+    xq = torch.where(a[..., None] > 0, xg / torch.where(a > 0, a, 1)[..., None], 0).round()
+    return xq, a
+
+
+def qdot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The slow twin of qdot in float64: codes unpacked uint8 [N, K]. The same activation rounding, exact sums."""
+    N, K = codes.shape
+    xq, a = quantize_activations(x)
+    dots = torch.einsum("mgj,ngj->mng", xq.double(), codes.reshape(N, K // 32, 32).double())
+    sums = (a.double() * xq.double().sum(-1))                                   # a * sum(xq) per group
+    return (dots * (a.double()[:, None, :] * scale.double()[None])).sum(-1) + sums @ offset.double().t()
+
+
+def available() -> bool:
+    try:
+        _load()
+        return True
+    except ModelError:
+        return False
