@@ -120,7 +120,8 @@ def test_qdot_matches_its_reference(bits, dtype):
     terms = (a.double()[:, None, :] * s16.double()[None]).abs() * \
         torch.einsum("mgj,ngj->mng", xq.double().abs(), codes.reshape(N, -1, 32).double())
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20
-    bound = u * ref.abs() + 2.0 ** -20 * (terms.sum(-1) + (a.double() * xq.double().abs().sum(-1)) @ o16.double().abs().t())
+    offsets = (a.double() * xq.double().abs().sum(-1)) @ o16.double().abs().t()
+    bound = u * ref.abs() + 2.0 ** -20 * (terms.sum(-1) + offsets)
     y = lin.mm(x)
     assert y.dtype == dtype and ((y.double() - ref).abs() <= bound).all()
     assert not ((kernels.qdot_reference(x, codes.roll(32, dims=1), s16, o16) - ref).abs() <= bound).all()
@@ -180,6 +181,35 @@ def test_untied_embedding_is_its_own_int8_table(tmp_path):
     Q.save_quantized(m, tmp_path / "q")
     m2 = Q.load_quantized(tmp_path / "q")
     p = random_prompt(m.cfg.vocab_size, 12, seed=5)
+    assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_K], ids=lambda t: t.name)
+def test_untied_embedding_read_from_the_gguf_blocks(tmp_path, qtype):
+    """GGUFRows: an untied embedding looked up in the file's 4-bit blocks (memmap at the tensor's offset) gives the
+    file's dequantised rows rounded to the model dtype, bitwise what the dense loader holds; it survives the cache
+    round trip (the cache names the file, it holds no table)."""
+    m = Q.quantize_model(load("tiny-qwen2", "bf16").model, "w4a8")
+    V, D = m.cfg.vocab_size, m.cfg.dim
+    cols = max(D, 256) if qtype == QT.Q4_K else D
+    data = random_blocks(qtype, V, cols, seed=5)
+    path = tmp_path / "model.gguf"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 96)                             # a header before the tensor: the offset must be honoured
+        f.write(data.tobytes())
+    rows = Q.GGUFRows(str(path), 96, int(qtype), V, cols, torch.bfloat16)
+    ref = torch.from_numpy(dequantize(data, qtype).reshape(V, cols).astype(np.float32)).to(torch.bfloat16)
+    toks = torch.tensor([[0, 3, V - 1], [3, 3, 1]])
+    assert torch.equal(rows[toks], ref[toks])
+    assert torch.equal(rows.dequantize().to(torch.bfloat16), ref)
+    if cols != D:
+        return
+    m.embed = Q.QEmbedding(rows)
+    Q.save_quantized(m, tmp_path / "q")
+    assert not any(k.startswith("embed") for k in m.state_dict())
+    m2 = Q.load_quantized(tmp_path / "q")
+    assert isinstance(m2.embed.weight, Q.GGUFRows) and torch.equal(m2.embed(toks), ref[toks])
+    p = random_prompt(V, 12, seed=6)
     assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
 
 

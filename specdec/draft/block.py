@@ -38,7 +38,7 @@ from torch import nn
 from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer, rms_norm, rope, rotary_tables
-from ..engine.quant import QLinear
+from ..engine.quant import GGUFRows, QLinear
 from ..speculative.accept import Mode, draft_sample
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
 from ..speculative.sampling import probs
@@ -143,7 +143,7 @@ class BlockDraftModel(nn.Module):
         """Frozen embedding = the target's; head rows start as the target's lm_head rows of the draft vocabulary."""
         with torch.no_grad():
             emb = target.embed.weight
-            self.emb.weight.copy_(emb.dequantize() if isinstance(emb, QLinear) else emb)   # int8-tied targets
+            self.emb.weight.copy_(emb.dequantize() if isinstance(emb, (QLinear, GGUFRows)) else emb)   # quantized
             lm = target.embed.weight if target.lm_head is None else target.lm_head.weight
             self.vocab_ids.copy_(vocab_ids)
             self.head.weight.copy_(lm[vocab_ids])
