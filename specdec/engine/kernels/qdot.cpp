@@ -8,6 +8,7 @@
 // Rows are processed in tiles of up to ROWS sharing each unpacked weight group, so a multi-row verify reads the
 // weights once. Compiled at first use by specdec/engine/kernels/__init__.py with -march=native.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -65,9 +66,9 @@ inline float hsum(__m256 v) {   // one fixed reduction order
 // One output column n for R rows. sf / of: the column's scales and offsets as float32; cs: scratch for R * n_groups
 // floats. A accumulators per row, taking groups in turn, keep A * R multiply-add chains in flight (a single chain
 // waits out the FMA latency on every group).
-template <int BITS, int R>
+template <int BITS, int R, typename T>
 inline void column(const uint8_t* codes, const float* sf, const float* of, const int8_t* xq, const float* a,
-                   const float* asum, int64_t K, int64_t n_groups, float* cs, float* y, int64_t y_stride) {
+                   const float* asum, int64_t K, int64_t n_groups, float* cs, T* y, int64_t y_stride) {
   constexpr int A = CHAINS;
   for (int r = 0; r < R; ++r) {   // cs[r, g] = a[r, g] * s[g]
     int64_t g = 0;
@@ -116,7 +117,7 @@ inline void column(const uint8_t* codes, const float* sf, const float* of, const
       to = _mm256_fmadd_ps(_mm256_loadu_ps(of + h), _mm256_loadu_ps(asum + r * n_groups + h), to);
     float o = hsum(to);
     for (; h < n_groups; ++h) o = std::fma(of[h], asum[r * n_groups + h], o);
-    y[r * y_stride] = hsum(t) + o;
+    y[r * y_stride] = static_cast<T>(hsum(t) + o);   // to the activations' dtype (round to nearest even)
   }
 }
 
@@ -127,9 +128,9 @@ inline void widen(const at::Half* h, float* f, int64_t n) {   // fp16 -> fp32, 8
   for (; i < n; ++i) f[i] = h[i];
 }
 
-template <int BITS>
+template <int BITS, typename T>
 void run(const uint8_t* codes, const at::Half* s, const at::Half* o, const int8_t* xq, const float* a,
-         const float* asum, int64_t M, int64_t N, int64_t K, float* y) {
+         const float* asum, int64_t M, int64_t N, int64_t K, T* y) {
   const int64_t n_groups = K / G, row_bytes = K * BITS / 8;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> sf(n_groups), of(n_groups), cs(ROWS * n_groups);
@@ -141,7 +142,7 @@ void run(const uint8_t* codes, const at::Half* s, const at::Half* o, const int8_
         const int64_t r = std::min<int64_t>(ROWS, M - m);
         const int8_t* x = xq + m * K;
         const float *am = a + m * n_groups, *sm = asum + m * n_groups;
-        float* ym = y + m * N + n;
+        T* ym = y + m * N + n;
         switch (r) {
           case 4: column<BITS, 4>(cn, sf.data(), of.data(), x, am, sm, K, n_groups, cs.data(), ym, N); break;
           case 3: column<BITS, 3>(cn, sf.data(), of.data(), x, am, sm, K, n_groups, cs.data(), ym, N); break;
@@ -153,12 +154,14 @@ void run(const uint8_t* codes, const at::Half* s, const at::Half* o, const int8_
   });
 }
 
-// x float32 [M, K] -> xq int8 [M, K], a and asum float32 [M, K/32]: per group a = max|x| / 127, xq = round(x / a).
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* xq, float* a, float* asum) {
+// x [M, K] -> xq int8 [M, K], a and asum float32 [M, K/32]: per group a = max|x| / 127, xq = round(x / a), in float32.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float* asum) {
   const int64_t n_groups = K / G;
   at::parallel_for(0, M * n_groups, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const float* xg = x + i * G;
+      float xg[G];
+      for (int j = 0; j < G; ++j) xg[j] = static_cast<float>(x[i * G + j]);
       float amax = 0.f;
       for (int j = 0; j < G; ++j) amax = std::max(amax, std::fabs(xg[j]));
       const float scale = amax / 127.f;
@@ -184,17 +187,22 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
               offset.scalar_type() == at::kHalf, "qdot: codes uint8, scale and offset float16");
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && offset.is_contiguous(), "qdot: contiguous weights");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor a = at::empty({M, K / G}, x.options().dtype(at::kFloat));
-  at::Tensor asum = at::empty({M, K / G}, x.options().dtype(at::kFloat));
-  quantize_rows(xf.data_ptr<float>(), M, K, xq.data_ptr<int8_t>(), a.data_ptr<float>(), asum.data_ptr<float>());
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  auto f = bits == 4 ? run<4> : run<8>;
-  f(codes.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), offset.data_ptr<at::Half>(), xq.data_ptr<int8_t>(),
-    a.data_ptr<float>(),
-    asum.data_ptr<float>(), M, N, K, y.data_ptr<float>());
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  // one scratch allocation (a and asum, then xq) and the output in x's dtype: a small model makes ~120 of these
+  // calls a step, where each extra tensor op costs microseconds
+  const at::Tensor xc = x.contiguous();
+  const int64_t n_groups = K / G;
+  at::Tensor scratch = at::empty({2 * M * n_groups * 4 + M * K}, x.options().dtype(at::kByte));
+  float* a = reinterpret_cast<float*>(scratch.data_ptr<uint8_t>());
+  float* asum = a + M * n_groups;
+  int8_t* xq = reinterpret_cast<int8_t*>(asum + M * n_groups);
+  at::Tensor y = at::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qdot", [&] {
+    quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K, xq, a, asum);
+    (bits == 4 ? run<4, scalar_t> : run<8, scalar_t>)(codes.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(),
+                                                      offset.data_ptr<at::Half>(), xq, a, asum, M, N, K,
+                                                      y.data_ptr<scalar_t>());
+  });
+  return y;
 }
 
 }  // namespace
