@@ -213,6 +213,21 @@ def test_untied_embedding_read_from_the_gguf_blocks(tmp_path, qtype):
     assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
 
 
+def test_kernel_refused_clearly_without_avx2(monkeypatch):
+    """On a CPU without AVX2 the int8-activation modes fail with a ModelError naming the field and the remedy."""
+    from specdec.engine import kernels
+    from specdec.errors import ModelError
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : fpu sse2")
+    kernels._load.cache_clear()
+    try:
+        with pytest.raises(ModelError, match="AVX2") as e:
+            Q.QLinear.q(4, *Q.quantize_int4(torch.randn(8, 64))).mm(torch.randn(1, 64).bfloat16())
+        assert e.value.field == "quant" and "int4" in str(e.value.remedy)
+        assert not kernels.available()
+    finally:
+        kernels._load.cache_clear()
+
+
 def test_unknown_mode_and_float64_are_refused():
     from specdec.errors import ModelError
     with pytest.raises(ModelError):
