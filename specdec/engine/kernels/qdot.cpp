@@ -1,6 +1,6 @@
 // Quantized linear y = x W^T with 4- or 8-bit weight codes and int8 activations, llama.cpp's Q4 x Q8 scheme:
-// every group of 32 inputs has a weight scale s and offset o per output (w = s * q + o) and an activation scale a
-// per row (x ~ a * xq, xq in -127..127, rounded inside the call). Per output n and row m:
+// every group of 32 inputs has a weight scale s and offset o per output (w = s * q + o) and, per row, an activation
+// scale a (x ~ a * xq, xq in -127..127, rounded inside the call). Per output n and row m:
 //     y[m, n] = sum_g  a[m,g] * s[n,g] * dot(q[n,g], xq[m,g])  +  o[n,g] * (a[m,g] * sum(xq[m,g]))
 // The dot of codes (0..15 or 0..255, unsigned) with int8 activations is exact in int32 (VNNI dpbusd, or AVX2's
 // maddubs, which cannot saturate on 4-bit codes). The float sums run in one fixed order per (m, n), whatever the
