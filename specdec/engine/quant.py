@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
+from . import kernels
 
 MODES = ("none", "int8", "int4", "w8a8", "w4a8")
 BITS = {"q4": 4, "q8": 8}        # QLinear kinds computed by kernels.qdot
@@ -139,7 +140,6 @@ class QLinear(nn.Module):
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales)
         elif self.kind in BITS:
-            from . import kernels
             y = kernels.qdot(x, self.qweight, self.scales, self.offsets, BITS[self.kind])
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -270,12 +270,18 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / safe[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
+def is_int4_block(qtype) -> bool:
+    """Whether gguf_int4 reads this GGUF block type's 4-bit codes as they are (Q4_0 / Q4_1 / Q4_K)."""
+    from gguf import GGMLQuantizationType as Q
+    return qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+
 def gguf_int4(data: np.ndarray, qtype, shape: tuple[int, int]):
     """The 4-bit codes of Q4_0 / Q4_1 / Q4_K blocks as they are, with each group's scale and offset (float32),
     such that scale * q + offset equals gguf.dequantize bitwise. None for any other block type."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from gguf.quants import Q4_K
-    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+    if not is_int4_block(qtype):
         return None
     N, K = shape
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[qtype][1])
@@ -357,7 +363,7 @@ def quantize_model(model, mode: str, gguf_path: str | os.PathLike | None = None)
     table = tensors.get("token_embd.weight")
     if tied:
         model.embed = QEmbedding(model.lm_head)
-    elif table is not None and gguf_int4(table.data[:1], table.tensor_type, (1, model.cfg.dim)) is not None:
+    elif table is not None and is_int4_block(table.tensor_type):
         model.embed = QEmbedding(GGUFRows(gguf_path, table.data_offset, table.tensor_type, model.cfg.vocab_size,
                                           model.cfg.dim, dtype))
     else:

@@ -18,12 +18,8 @@
 namespace {
 
 constexpr int G = 32;     // inputs per group
-#ifndef ROWS
 constexpr int ROWS = 4;   // rows sharing one pass over a weight column
-#endif
-#ifndef CHAINS
-constexpr int CHAINS = 2; // accumulators per row, the same for every tile size (it fixes the order of the sums)
-#endif
+constexpr int A = 2;      // accumulators per row, the same for every tile size (it fixes the order of the sums)
 
 // 8 int32 lanes of dot(codes, xq) over one group; both paths give the same integers.
 template <int BITS>
@@ -65,11 +61,10 @@ inline float hsum(__m256 v) {   // one fixed reduction order
 
 // One output column n for R rows. sf / of: the column's scales and offsets as float32; cs: scratch for R * n_groups
 // floats. A accumulators per row, taking groups in turn, keep A * R multiply-add chains in flight (a single chain
-// waits out the FMA latency on every group).
+// waits out the FMA latency on every group); a step covers S groups (whole pairs, as the codes are packed).
 template <int BITS, int R, typename T>
 inline void column(const uint8_t* codes, const float* sf, const float* of, const int8_t* xq, const float* a,
                    const float* asum, int64_t K, int64_t n_groups, float* cs, T* y, int64_t y_stride) {
-  constexpr int A = CHAINS;
   for (int r = 0; r < R; ++r) {   // cs[r, g] = a[r, g] * s[g]
     int64_t g = 0;
     for (; g + 8 <= n_groups; g += 8)
@@ -207,12 +202,9 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 
 }  // namespace
 
-#ifndef QDOT_NS
-#define QDOT_NS specdec   // another namespace lets a benchmark load variants side by side
-#endif
-TORCH_LIBRARY(QDOT_NS, m) {
+TORCH_LIBRARY(specdec, m) {
   m.def("qdot(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(QDOT_NS, CPU, m) {
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("qdot", qdot);
 }
