@@ -1,5 +1,7 @@
 """Weight-only quantized execution (engine/quant.py): the GGUF-block conversion, the packed kernels, and exactness
 of speculative decoding on quantized models (speculative == target-only, both quantized, token for token)."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -106,11 +108,11 @@ def test_qdot_matches_its_reference(bits, dtype):
     wrong scale, is an error of order |ref|, which the same bound catches (checked on a rolled weight)."""
     from specdec.engine import kernels
     g = torch.Generator().manual_seed(2)
-    N, K = 200, 576 if bits == 4 else 320              # K/32 = 18 and 10: the 8-group vector loop and its tail
+    N, K = 200, 576 if bits == 4 else 352              # N: 12 blocks of 16 and a padded one; K/32 = 18, 11
     w = torch.randn(N, K, generator=g) * 0.02
     codes, scale, offset = Q.quantize_int4(w) if bits == 4 else Q.quantize_q8(w)
     lin = Q.QLinear.q(bits, codes, scale, offset, dtype=dtype)
-    s16, o16 = lin.scales, lin.offsets                # the fp16 scales the kernel reads
+    s16, o16 = lin.group_params()                     # the fp16 scales the kernel reads
     x = torch.randn(9, K, generator=g)
     x[2] *= 300                                       # a row of large activations
     x[4, :32] = 0                                     # an all-zero group
@@ -141,6 +143,30 @@ def test_packed_kernels_row_invariant(kind):
     for n in (1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 40):
         assert torch.equal(lin.mm(x[:n]), alone[:n]), n
     assert probe_row_tiles([lin]) == RowTiles(1, 64)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_qdot_avx2_build_gives_the_same_bits(tmp_path, kind):
+    """A CPU without AVX-512 runs qdot.cpp's AVX2 path (two ymm for a vector of 16 outputs, maddubs for dpbusd): it
+    computes the same exact int32 dots and the same float chain per output, so its bits are this machine's (on an
+    AVX2-only CPU both builds are that path). Built in a child process with -mno-avx512f."""
+    import subprocess
+    import sys
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(200, 352, generator=g) * 0.02
+    lin = _qlinear(kind, w, torch.float32)
+    x = torch.randn(11, 352, generator=g)             # float32 out: a bf16 output would hide a last-bit difference
+    x[3] *= 500
+    save_file({"x": x, **lin.state_dict()}, str(tmp_path / "in.safetensors"))
+    child = (f"import torch; from safetensors.torch import load_file, save_file; from specdec.engine import kernels\n"
+             f"t = load_file({str(tmp_path / 'in.safetensors')!r})\n"
+             f"y = kernels.qdot(t['x'], t['qweight'], t['scales'], t['offsets'], {Q.BITS[kind]}, 200)\n"
+             f"save_file({{'y': y}}, {str(tmp_path / 'out.safetensors')!r})\n")
+    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512f"}
+    subprocess.run([sys.executable, "-c", child], env=env, check=True, timeout=600)
+    from safetensors.torch import load_file
+    assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["y"], lin.mm(x))
 
 
 @pytest.mark.parametrize("mode", ["int4", "w4a8"])

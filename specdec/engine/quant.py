@@ -48,7 +48,8 @@ from . import kernels
 MODES = ("none", "int8", "int4", "w8a8", "w4a8")
 BITS = {"q4": 4, "q8": 8}        # QLinear kinds computed by kernels.qdot
 GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
-CACHE_FORMAT = 6                 # bump when the cached layout changes
+QBLOCK = 16                      # q4 / q8: outputs per block of qdot.cpp's layout (one vector of lanes)
+CACHE_FORMAT = 7                 # bump when the cached layout changes
 
 
 def check_mode(mode: str | None) -> str:
@@ -69,8 +70,8 @@ class QLinear(nn.Module):
         super().__init__()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q4 / q8: below
-        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4/q8: fp16 [N, K/32]
-        self.register_buffer("offsets", offsets)   # q4 / q8 only: fp16 [N, K/32]
+        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4/q8: see q()
+        self.register_buffer("offsets", offsets)   # q4 / q8 only
         self.register_buffer("bias", bias)
         self._dtype = dtype or scales.dtype        # the activations' (model's) dtype
 
@@ -109,15 +110,21 @@ class QLinear(nn.Module):
     def q(cls, bits: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias=None,
           dtype=torch.bfloat16) -> "QLinear":
         """For kernels.qdot: codes uint8 [N, K] (0..15 or 0..255), scale/offset [N, K/32]: w = scale * q + offset.
-        4-bit codes are packed two a byte: byte j of a pair of groups holds code j of each (qdot.cpp's layout)."""
+        Stored in qdot.cpp's blocked layout: outputs in blocks of 16 (N padded with zero weights), codes
+        [N/16, K/32, P, 64] with 64-byte rows of 16 outputs x 4 inputs (4-bit: rows 2p and 2p + 1 share row p as
+        low and high nibbles, P = 4; 8-bit: P = 8), scale and offset fp16 [N/16, K/32, 16]."""
         N, K = codes.shape
-        if K % (2 * GROUP):
-            raise ModelError(f"the int8-activation kernel needs in_features divisible by 64, not {K}", field="quant")
+        if K % GROUP:
+            raise ModelError(f"the int8-activation kernel needs in_features divisible by 32, not {K}", field="quant")
+        nb, ng = -(-N // QBLOCK), K // GROUP
+        pad = nb * QBLOCK - N
+        codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale.float(), offset.float()))
+        c = codes.reshape(nb, QBLOCK, ng, 8, 4).permute(0, 2, 3, 1, 4)          # [block, group, row, output, 4]
         if bits == 4:
-            c = codes.reshape(N, K // (2 * GROUP), 2, GROUP)
-            codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(N, K // 2)
-        return cls(f"q{bits}", N, K, codes.contiguous(), scale.to(torch.float16).contiguous(),
-                   None if bias is None else bias.to(dtype), offset.to(torch.float16).contiguous(), dtype)
+            c = c[:, :, 0::2] | (c[:, :, 1::2] << 4)
+        blocked = lambda t: t.reshape(nb, QBLOCK, ng).transpose(1, 2).to(torch.float16).contiguous()
+        return cls(f"q{bits}", N, K, c.reshape(nb, ng, -1, 64).contiguous(), blocked(scale),
+                   None if bias is None else bias.to(dtype), blocked(offset), dtype)
 
     @classmethod
     def empty(cls, kind: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> "QLinear":
@@ -130,8 +137,9 @@ class QLinear(nn.Module):
             elif kind == "int8":
                 qw, sc = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=dtype)
             else:
-                qw = torch.empty(N, K * BITS[kind] // 8, dtype=torch.uint8)
-                sc, off = (torch.empty(N, K // GROUP, dtype=torch.float16) for _ in range(2))
+                nb = -(-N // QBLOCK)
+                qw = torch.empty(nb, K // GROUP, BITS[kind], 64, dtype=torch.uint8)
+                sc, off = (torch.empty(nb, K // GROUP, QBLOCK, dtype=torch.float16) for _ in range(2))
             b = torch.empty(N, dtype=dtype) if bias else None
         return cls(kind, N, K, qw, sc, b, off, dtype)
 
@@ -140,7 +148,7 @@ class QLinear(nn.Module):
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales)
         elif self.kind in BITS:
-            y = kernels.qdot(x, self.qweight, self.scales, self.offsets, BITS[self.kind])
+            y = kernels.qdot(x, self.qweight, self.scales, self.offsets, BITS[self.kind], self.out_features)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
@@ -166,14 +174,21 @@ class QLinear(nn.Module):
         return self.dequantize()[rows].to(self.dtype)
 
     def _q_rows(self, rows) -> torch.Tensor:
-        """float32 rows of a q4 / q8 weight: scale * code + offset per group."""
-        q = self.qweight[rows]
-        if self.kind == "q4":      # unpack: byte j of a pair of groups holds code j of each (low nibble first)
-            q = q.reshape(*q.shape[:-1], -1, 1, GROUP)
-            q = torch.cat([q & 0x0F, q >> 4], dim=-2).flatten(-3)
-        q = q.reshape(*q.shape[:-1], -1, GROUP)
-        w = q.float() * self.scales[rows].float()[..., None] + self.offsets[rows].float()[..., None]
-        return w.reshape(*w.shape[:-2], self.in_features)
+        """float32 rows of a q4 / q8 weight: scale * code + offset per group, gathered from the blocked layout."""
+        idx = rows if torch.is_tensor(rows) else torch.arange(self.out_features, device=self.qweight.device)[rows]
+        flat = idx.reshape(-1)
+        blk, lane = flat // QBLOCK, flat % QBLOCK
+        q = self.qweight[blk]                                                 # [L, groups, P, 64]
+        q = q.reshape(*q.shape[:3], QBLOCK, 4)[torch.arange(len(flat)), :, :, lane]   # [L, groups, P, 4]
+        if self.kind == "q4":      # packed row p: row 2p in the low nibble, row 2p + 1 in the high one
+            q = torch.stack([q & 0x0F, q >> 4], dim=3)
+        q = q.reshape(len(flat), -1, GROUP).float()
+        scale, offset = (t[blk, :, lane].float()[..., None] for t in (self.scales, self.offsets))
+        return (q * scale + offset).reshape(*idx.shape, self.in_features)
+
+    def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """q4 / q8: the fp16 scale and offset [N, K/32] the kernel reads, back in output order."""
+        return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features] for t in (self.scales, self.offsets))
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -455,5 +470,7 @@ def load_quantized(path: str | os.PathLike):
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if [m for m in missing if "rope" not in m] or unexpected:
         raise ModelError(f"{path}: cached weights do not fit: missing {missing}, unexpected {unexpected}")
-    model.rope_cos, model.rope_sin = rope_tables(cfg)
+    # in the model dtype, as loader.py's model.to(dtype) leaves them (the same values forward's cast would give):
+    # float64 tables of 32k positions would hold 64 MiB
+    model.rope_cos, model.rope_sin = (t.to(dtype) for t in rope_tables(cfg))
     return model.eval()

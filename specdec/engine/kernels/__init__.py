@@ -2,7 +2,7 @@
 system C++ compiler; -march=native, so the build is cached per CPU and source).
 
     from specdec.engine import kernels
-    y = kernels.qdot(x, codes, scale, offset, bits=4)   # qdot.cpp: 4/8-bit weights x int8 activations
+    y = kernels.qdot(x, codes, scale, offset, bits=4, n=N)   # qdot.cpp: 4/8-bit weights x int8 activations
 
 PyTorch has no CPU kernel that multiplies 4-bit weights by int8 activations: its `_weight_int4pack_mm_for_cpu`
 dequantises the weights for every row of x in bf16, so it is compute-bound (~17 GB/s of weights for one row on a
@@ -62,11 +62,12 @@ def _load() -> None:
                          remedy="install a C++ compiler (g++) and ninja, or use --quant int4 / int8") from None
 
 
-def qdot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g] (see qdot.cpp);
-    x's dtype in and out, float32 inside."""
+def qdot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+         n: int) -> torch.Tensor:
+    """y [M, n] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g], in qdot.cpp's blocked
+    layout (quant.QLinear.q packs it); x's dtype in and out, float32 inside."""
     _load()
-    return torch.ops.specdec.qdot(x, codes, scale, offset, bits)
+    return torch.ops.specdec.qdot(x, codes, scale, offset, bits, n)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,150 +1,191 @@
 // Quantized linear y = x W^T with 4- or 8-bit weight codes and int8 activations, llama.cpp's Q4 x Q8 scheme:
 // every group of 32 inputs has a weight scale s and offset o per output (w = s * q + o) and, per row, an activation
-// scale a (x ~ a * xq, xq in -127..127, rounded inside the call). Per output n and row m:
-//     y[m, n] = sum_g  a[m,g] * s[n,g] * dot(q[n,g], xq[m,g])  +  o[n,g] * (a[m,g] * sum(xq[m,g]))
+// scale a (x ~ a * xq, xq in -127..127, rounded inside the call). Per output n and row m, in this order:
+//     y = 0;  for g = 0, 1, ...:  y = fma(float(dot(q[n,g], xq[m,g])), a[m,g] * s[n,g], y);
+//                                  y = fma(o[n,g], a[m,g] * sum(xq[m,g]), y)
 // The dot of codes (0..15 or 0..255, unsigned) with int8 activations is exact in int32 (VNNI dpbusd, or AVX2's
-// maddubs, which cannot saturate on 4-bit codes). The float sums run in one fixed order per (m, n), whatever the
-// number of rows or threads: a row's output bits do not depend on its neighbours (batch invariance, issue F).
-// Rows are processed in tiles of up to ROWS sharing each unpacked weight group, so a multi-row verify reads the
-// weights once. Compiled at first use by specdec/engine/kernels/__init__.py with -march=native.
+// maddubs, which cannot saturate on 4-bit codes), and every output's float chain is the one above whatever the
+// number of rows, tiles or threads: a row's output bits do not depend on its neighbours (batch invariance, issue F).
+//
+// Layout: outputs in blocks of 16, the vector width, so one vector holds 16 outputs and the float chain of each
+// output is a lane (no horizontal sums). codes [N/16, K/32, P, 64]: for each block and group, rows of 64 bytes =
+// 16 outputs x 4 consecutive inputs (VNNI's "4 bytes a lane"): 8 such rows cover a group of 32 inputs. 8-bit: P = 8
+// rows. 4-bit: P = 4, byte r of packed row p holds row 2p (low nibble) and row 2p + 1 (high nibble), so one load, a
+// mask and a shift give two rows. scale, offset: fp16 [N/16, K/32, 16]. An activation's 4 bytes are broadcast to
+// every lane, so a group's dot for 16 outputs is 8 dpbusd.
+// A tile of R rows shares each unpacked weight group (a multi-row verify reads the weights once); one row runs 4
+// blocks side by side for independent chains. Compiled at first use by kernels/__init__.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <cmath>
-#include <type_traits>
 
 namespace {
 
-constexpr int G = 32;     // inputs per group
-constexpr int ROWS = 4;   // rows sharing one pass over a weight column
-constexpr int A = 2;      // accumulators per row, the same for every tile size (it fixes the order of the sums)
+constexpr int G = 32;      // inputs per group
+constexpr int B = 16;      // outputs per block (lanes of a vector)
+constexpr int ROWS = 8;    // rows of a tile
 
-// 8 int32 lanes of dot(codes, xq) over one group; both paths give the same integers.
-template <int BITS>
-inline __m256i group_dot(__m256i codes, __m256i xq) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xq);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// 16 int32 / float lanes in one zmm
+struct VI { __m512i v; };
+struct VF { __m512 v; };
+inline VI load64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+inline VI izero() { return {_mm512_setzero_si512()}; }
+inline VI iadd(VI a, VI b) { return {_mm512_add_epi32(a.v, b.v)}; }
+inline void nibbles(VI v, VI& lo, VI& hi) {
+  const __m512i m = _mm512_set1_epi8(0x0F);
+  lo = {_mm512_and_si512(v.v, m)};
+  hi = {_mm512_and_si512(_mm512_srli_epi16(v.v, 4), m)};
+}
+template <int BITS>   // acc + per lane sum of its 4 code bytes times x's 4 bytes
+inline VI dot4(VI acc, VI codes, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, codes.v, _mm512_set1_epi32(x4))}; }
+inline VF tofloat(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
+inline VF halfs(const at::Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+inline VF fset(float f) { return {_mm512_set1_ps(f)}; }
+inline VF fzero() { return {_mm512_setzero_ps()}; }
+inline VF fmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VF ffma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline void fstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 #else
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (BITS == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), ones);
-  // 8-bit codes would saturate maddubs' int16 pairs (255 * 127 * 2): split them into nibbles, 16 * hi + lo
-  const __m256i m = _mm256_set1_epi8(0x0F);
-  __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(codes, m), xq), ones);
-  __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(codes, 4), m), xq), ones);
-  return _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo);
-#endif
+// AVX2: the same 16 lanes as two ymm (outputs 0-7 and 8-15; their bytes are the first and second 32 of a row)
+struct VI { __m256i l, h; };
+struct VF { __m256 l, h; };
+inline VI load64(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
 }
-
-// The codes of groups g and g + 1 of a weight row (g even). 4-bit: byte j of a pair holds code j of group g (low
-// nibble) and code j of group g + 1 (high nibble), so one load, a mask and a shift unpack two groups.
+inline VI izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline VI iadd(VI a, VI b) { return {_mm256_add_epi32(a.l, b.l), _mm256_add_epi32(a.h, b.h)}; }
+inline __m256i lo4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+inline __m256i hi4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+inline void nibbles(VI v, VI& lo, VI& hi) {
+  lo = {lo4(v.l), lo4(v.h)};
+  hi = {hi4(v.l), hi4(v.h)};
+}
+inline __m256i dot4_half(__m256i c, __m256i x) {   // maddubs pairs, then pairs of pairs: 4 products a lane
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1));
+}
 template <int BITS>
-inline void load_pair(const uint8_t* row, int64_t g, __m256i& c0, __m256i& c1) {
+inline __m256i dot4_one(__m256i acc, __m256i c, __m256i x) {
+  if constexpr (BITS == 4) return _mm256_add_epi32(acc, dot4_half(c, x));
+  // 8-bit codes would saturate maddubs' int16 pairs (255 * 127 * 2): split them into nibbles, 16 * hi + lo
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_slli_epi32(dot4_half(hi4(c), x), 4), dot4_half(lo4(c), x)));
+}
+template <int BITS>
+inline VI dot4(VI acc, VI codes, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {dot4_one<BITS>(acc.l, codes.l, x), dot4_one<BITS>(acc.h, codes.h, x)};
+}
+inline VF tofloat(VI a) { return {_mm256_cvtepi32_ps(a.l), _mm256_cvtepi32_ps(a.h)}; }
+inline VF halfs(const at::Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline VF fset(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline VF fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline VF fmul(VF a, VF b) { return {_mm256_mul_ps(a.l, b.l), _mm256_mul_ps(a.h, b.h)}; }
+inline VF ffma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.l, b.l, c.l), _mm256_fmadd_ps(a.h, b.h, c.h)}; }
+inline void fstore(float* p, VF a) { _mm256_storeu_ps(p, a.l); _mm256_storeu_ps(p + 8, a.h); }
+#endif
+
+// The 8 rows of 16 x 4 codes of one block's group.
+template <int BITS>
+inline void unpack(const uint8_t* p, VI c[8]) {
   if constexpr (BITS == 8) {
-    c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * G));
-    c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (g + 1) * G));
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) c[i] = load64(p + 64 * i);
   } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * (G / 2)));
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    c0 = _mm256_and_si256(v, m);
-    c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-  }
-}
-
-inline float hsum(__m256 v) {   // one fixed reduction order
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// One output column n for R rows. sf / of: the column's scales and offsets as float32; cs: scratch for R * n_groups
-// floats. A accumulators per row, taking groups in turn, keep A * R multiply-add chains in flight (a single chain
-// waits out the FMA latency on every group); a step covers S groups (whole pairs, as the codes are packed).
-template <int BITS, int R, typename T>
-inline void column(const uint8_t* codes, const float* sf, const float* of, const int8_t* xq, const float* a,
-                   const float* asum, int64_t K, int64_t n_groups, float* cs, T* y, int64_t y_stride) {
-  for (int r = 0; r < R; ++r) {   // cs[r, g] = a[r, g] * s[g]
-    int64_t g = 0;
-    for (; g + 8 <= n_groups; g += 8)
-      _mm256_storeu_ps(cs + r * n_groups + g,
-                       _mm256_mul_ps(_mm256_loadu_ps(a + r * n_groups + g), _mm256_loadu_ps(sf + g)));
-    for (; g < n_groups; ++g) cs[r * n_groups + g] = a[r * n_groups + g] * sf[g];
-  }
-  __m256 acc[R][A];
 #pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) nibbles(load64(p + 64 * i), c[2 * i], c[2 * i + 1]);
+  }
+}
+
+struct Rows {                // the quantized activations of a tile's first row
+  const int8_t* xq;          // [R, K]
+  const float* a;            // [R, K/32] scales
+  const float* asum;         // [R, K/32] a * sum(xq)
+};
+
+// Outputs of CB consecutive blocks (16 * CB columns from column n0) for R rows; y points at row 0, column n0.
+template <int BITS, int CB, int R, typename T>
+inline void tile(const uint8_t* codes, const at::Half* s, const at::Half* o, Rows x, int64_t K, int64_t N,
+                 int64_t n0, T* y) {
+  const int64_t ng = K / G, block_bytes = ng * G * B * BITS / 8;
+  VF acc[R][CB];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int i = 0; i < A; ++i) acc[r][i] = _mm256_setzero_ps();
-  // S groups a step, group g + i into accumulator i % A; every index is a constant once unrolled, which keeps acc
-  // in registers (a runtime index spilled it to the stack on every multiply-add)
-  constexpr int S = A > 2 ? A : 2;
-  auto step = [&](int64_t g, auto pairs) {
+    for (int b = 0; b < CB; ++b) acc[r][b] = fzero();
+  for (int64_t g = 0; g < ng; ++g) {
 #pragma GCC unroll 4
-    for (int p = 0; p < decltype(pairs)::value; ++p) {
-      __m256i c[2];
-      load_pair<BITS>(codes, g + 2 * p, c[0], c[1]);
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const int i = 2 * p + h;
+    for (int b = 0; b < CB; ++b) {
+      VI c[8];
+      unpack<BITS>(codes + b * block_bytes + g * (G * B * BITS / 8), c);
+      const VF sv = halfs(s + (b * ng + g) * B), ov = halfs(o + (b * ng + g) * B);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(x.xq + r * K + g * G);
+        VI d0 = izero(), d1 = izero();   // two chains; integer sums are exact in any order
 #pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + (g + i) * G));
-          __m256 d = _mm256_cvtepi32_ps(group_dot<BITS>(c[h], x));
-          acc[r][i % A] = _mm256_fmadd_ps(d, _mm256_broadcast_ss(cs + r * n_groups + g + i), acc[r][i % A]);
+        for (int i = 0; i < 4; ++i) {
+          d0 = dot4<BITS>(d0, c[i], x4[i]);
+          d1 = dot4<BITS>(d1, c[4 + i], x4[4 + i]);
         }
+        const VF cs = fmul(fset(x.a[r * ng + g]), sv);
+        acc[r][b] = ffma(tofloat(iadd(d0, d1)), cs, acc[r][b]);
+        acc[r][b] = ffma(ov, fset(x.asum[r * ng + g]), acc[r][b]);
       }
     }
-  };
-  int64_t g = 0;
-  for (; g + S <= n_groups; g += S) step(g, std::integral_constant<int, S / 2>{});
-  for (; g < n_groups; g += 2) step(g, std::integral_constant<int, 1>{});   // n_groups is even
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    __m256 t = acc[r][0];
-#pragma GCC unroll 4
-    for (int i = 1; i < A; ++i) t = _mm256_add_ps(t, acc[r][i]);
-    // the offsets' term: 8 groups a vector, then the rest one at a time
-    __m256 to = _mm256_setzero_ps();
-    int64_t h = 0;
-    for (; h + 8 <= n_groups; h += 8)
-      to = _mm256_fmadd_ps(_mm256_loadu_ps(of + h), _mm256_loadu_ps(asum + r * n_groups + h), to);
-    float o = hsum(to);
-    for (; h < n_groups; ++h) o = std::fma(of[h], asum[r * n_groups + h], o);
-    y[r * y_stride] = static_cast<T>(hsum(t) + o);   // to the activations' dtype (round to nearest even)
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int b = 0; b < CB; ++b) {
+      float out[B];
+      fstore(out, acc[r][b]);
+      for (int j = 0; j < B && n0 + b * B + j < N; ++j)
+        y[r * N + b * B + j] = static_cast<T>(out[j]);   // to the activations' dtype (round to nearest even)
+    }
 }
 
-inline void widen(const at::Half* h, float* f, int64_t n) {   // fp16 -> fp32, 8 at a time (F16C)
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
-  for (; i < n; ++i) f[i] = h[i];
+template <int BITS, int CB, typename T>
+inline void rows_tile(int r, const uint8_t* codes, const at::Half* s, const at::Half* o, Rows x, int64_t K,
+                      int64_t N, int64_t n0, T* y) {
+  switch (r) {
+    case 8: tile<BITS, CB, 8>(codes, s, o, x, K, N, n0, y); break;
+    case 7: tile<BITS, CB, 7>(codes, s, o, x, K, N, n0, y); break;
+    case 6: tile<BITS, CB, 6>(codes, s, o, x, K, N, n0, y); break;
+    case 5: tile<BITS, CB, 5>(codes, s, o, x, K, N, n0, y); break;
+    case 4: tile<BITS, CB, 4>(codes, s, o, x, K, N, n0, y); break;
+    case 3: tile<BITS, CB, 3>(codes, s, o, x, K, N, n0, y); break;
+    case 2: tile<BITS, CB, 2>(codes, s, o, x, K, N, n0, y); break;
+    default: tile<BITS, CB, 1>(codes, s, o, x, K, N, n0, y); break;
+  }
 }
 
 template <int BITS, typename T>
 void run(const uint8_t* codes, const at::Half* s, const at::Half* o, const int8_t* xq, const float* a,
          const float* asum, int64_t M, int64_t N, int64_t K, T* y) {
-  const int64_t n_groups = K / G, row_bytes = K * BITS / 8;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> sf(n_groups), of(n_groups), cs(ROWS * n_groups);
-    for (int64_t n = n0; n < n1; ++n) {
-      widen(s + n * n_groups, sf.data(), n_groups);
-      widen(o + n * n_groups, of.data(), n_groups);
-      const uint8_t* cn = codes + n * row_bytes;
+  const int64_t ng = K / G, n_blocks = (N + B - 1) / B, block_bytes = ng * G * B * BITS / 8;
+  at::parallel_for(0, n_blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1;) {
+      // one row: 4 blocks side by side (4 independent chains); a tile of rows: one block, its groups unpacked once
+      const int cb = (M == 1 && b + 4 <= b1) ? 4 : 1;
+      const uint8_t* cp = codes + b * block_bytes;
+      const at::Half *sp = s + b * ng * B, *op = o + b * ng * B;
       for (int64_t m = 0; m < M; m += ROWS) {
-        const int64_t r = std::min<int64_t>(ROWS, M - m);
-        const int8_t* x = xq + m * K;
-        const float *am = a + m * n_groups, *sm = asum + m * n_groups;
-        T* ym = y + m * N + n;
-        switch (r) {
-          case 4: column<BITS, 4>(cn, sf.data(), of.data(), x, am, sm, K, n_groups, cs.data(), ym, N); break;
-          case 3: column<BITS, 3>(cn, sf.data(), of.data(), x, am, sm, K, n_groups, cs.data(), ym, N); break;
-          case 2: column<BITS, 2>(cn, sf.data(), of.data(), x, am, sm, K, n_groups, cs.data(), ym, N); break;
-          default: column<BITS, 1>(cn, sf.data(), of.data(), x, am, sm, K, n_groups, cs.data(), ym, N); break;
-        }
+        const Rows x{xq + m * K, a + m * ng, asum + m * ng};
+        const int r = static_cast<int>(std::min<int64_t>(ROWS, M - m));
+        T* ym = y + m * N + b * B;
+        if (cb == 4) tile<BITS, 4, 1>(cp, sp, op, x, K, N, b * B, ym);
+        else rows_tile<BITS, 1>(r, cp, sp, op, x, K, N, b * B, ym);
       }
+      b += cb;
     }
   });
 }
@@ -173,12 +214,12 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float
 }
 
 at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-                int64_t bits) {
+                int64_t bits, int64_t N) {
   TORCH_CHECK(bits == 4 || bits == 8, "qdot: bits must be 4 or 8");
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2, "qdot: x [M, K] and codes [N, K*bits/8]");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % (2 * G) == 0 && codes.size(1) == K * bits / 8,
-              "qdot: K must be a multiple of 64 matching the codes");
+  TORCH_CHECK(x.dim() == 2, "qdot: x [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), n_blocks = (N + B - 1) / B;
+  TORCH_CHECK(K % G == 0 && codes.numel() == n_blocks * B * K * bits / 8 && scale.numel() == n_blocks * K / G * B &&
+              offset.numel() == scale.numel(), "qdot: K must be a multiple of 32 and the codes [N/16, K/32, P, 64]");
   TORCH_CHECK(codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
               offset.scalar_type() == at::kHalf, "qdot: codes uint8, scale and offset float16");
   TORCH_CHECK(codes.is_contiguous() && scale.is_contiguous() && offset.is_contiguous(), "qdot: contiguous weights");
@@ -203,7 +244,7 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
 }  // namespace
 
 TORCH_LIBRARY(specdec, m) {
-  m.def("qdot(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits) -> Tensor");
+  m.def("qdot(Tensor x, Tensor codes, Tensor scale, Tensor offset, int bits, int n) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("qdot", qdot);
