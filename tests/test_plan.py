@@ -98,14 +98,19 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     assert planner(reqs, props) == [2, 2, 7]        # every explore_every-th idle step verifies one draft
     for r in reqs:
         planner.alpha[r.rid] = 0.05                                 # a history of rejections
-    assert [planner.gamma(r) for r in reqs] == [0, 0, 6]           # drafting does not pay: no draft
-    for _ in range(planner.explore_every - 2):
-        assert [planner.gamma(r) for r in reqs] == [0, 0, 6]
-    assert [planner.gamma(r) for r in reqs] == [1, 1, 6]           # except one every explore_every steps (at
-                                                                    # the adaptive length, here 1),
+    planner.gamma(reqs[0]), planner.gamma(reqs[0])                 # "g" stopped drafting two steps before "c"
     one = [Proposal(1, [2], [0.05]), Proposal(1, [2], [0.05]), props[2]]
-    assert planner(reqs, one) == [2, 2, 7]                          # and that one is verified
-    assert [planner.gamma(r) for r in reqs] == [0, 0, 6]
+    none = [Proposal(1, [], []), Proposal(1, [], []), props[2]]
+    blocks = []
+    for _ in range(10 * planner.explore_every):                    # a step: blocks per request, then the plan
+        blocks.append([planner.gamma(r) for r in reqs])
+        vlen = planner(reqs, one if blocks[-1][0] else none)
+        assert vlen == ([2, 2, 7] if blocks[-1][0] else [1, 1, 7])     # an explored draft is verified
+    # drafting does not pay: no draft, except that both explore (at the adaptive length, here 1) on the same steps,
+    # at most one in explore_every, so that one step pays the drafter for both
+    explored = [i for i, b in enumerate(blocks) if b != [0, 0, 6]]
+    assert len(explored) >= 2 and all(blocks[i] == [1, 1, 6] for i in explored)
+    assert min(b - a for a, b in zip(explored, explored[1:])) >= planner.explore_every
     planner.forget("g")
     assert "g" not in planner.alpha and "g" not in planner.undrafted
 
@@ -147,6 +152,8 @@ def test_planner_follows_measured_throughput_of_drafting_steps():
         planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)        # 4 tokens / 40 ms
         planner.observe(reqs, drafts, [5] * 4, [1] * 4, draft_ms=30.0, verify_ms=60.0)     # 8 tokens / 90 ms
     assert planner.draft_pays == pytest.approx(0.889, abs=0.01) and planner.gamma(reqs[0]) == 0
+    newcomer = SpecRequest("new", [1], SamplingParams(), 50, Mode.GREEDY, 4)
+    assert planner.gamma(newcomer) == 0               # nor does a new request (it used to draft until it verified)
     assert [planner.gamma(reqs[0]) for _ in range(planner.explore_every - 1)][-1] == 4     # explores a full block
     for _ in range(60):
         planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=30.0, verify_ms=60.0)     # 16 tokens / 90 ms
