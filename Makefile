@@ -55,9 +55,11 @@ test-sglang: install
 
 # Opt-in, never part of `make test`: the llama.cpp peer (`specdec bench --peer-llamacpp`, benchmarks/quant_bench.py).
 # pip compiles llama.cpp from the sdist: one compile job, niced, as the machine is shared (~20-40 min on 2 cores).
-# PEERS_CMAKE_ARGS: llama.cpp's build options. Its native build segfaulted in its AMX code on a Sapphire Rapids VM here
-# (general protection fault in libggml-cpu), so there: PEERS_CMAKE_ARGS="$(PEERS_NO_AMX)".
-PEERS_CMAKE_ARGS ?=
+# PEERS_CMAKE_ARGS: llama.cpp's build options. Its native build segfaults in its AMX code on the Sapphire Rapids VMs
+# here (a general protection fault in libggml-cpu; seen twice, the second time in llama_decode on the first prompt),
+# so on a CPU with AMX the default is $(PEERS_NO_AMX): the same kernels without AMX.
+HAS_AMX := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo yes)
+PEERS_CMAKE_ARGS ?= $(if $(HAS_AMX),$(PEERS_NO_AMX))
 PEERS_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON \
 	-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \
 	-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
