@@ -178,8 +178,7 @@ class QLinear(nn.Module):
         idx = rows if torch.is_tensor(rows) else torch.arange(self.out_features, device=self.qweight.device)[rows]
         flat = idx.reshape(-1)
         blk, lane = flat // QBLOCK, flat % QBLOCK
-        q = self.qweight[blk]                                                 # [L, groups, P, 64]
-        q = q.reshape(*q.shape[:3], QBLOCK, 4)[torch.arange(len(flat)), :, :, lane]   # [L, groups, P, 4]
+        q = self.qweight.view(*self.qweight.shape[:3], QBLOCK, 4)[blk, :, :, lane]     # [L, groups, P, 4]
         if self.kind == "q4":      # packed row p: row 2p in the low nibble, row 2p + 1 in the high one
             q = torch.stack([q & 0x0F, q >> 4], dim=3)
         q = q.reshape(len(flat), -1, GROUP).float()
