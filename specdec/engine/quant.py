@@ -138,7 +138,7 @@ class QLinear(nn.Module):
                 qw, sc = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=dtype)
             else:
                 nb = -(-N // QBLOCK)
-                qw = torch.empty(nb, K // GROUP, BITS[kind], 64, dtype=torch.uint8)
+                qw = torch.empty(nb, K // GROUP, BITS[kind], 64, dtype=torch.uint8)   # P = 4 or 8 rows, as in q()
                 sc, off = (torch.empty(nb, K // GROUP, QBLOCK, dtype=torch.float16) for _ in range(2))
             b = torch.empty(N, dtype=dtype) if bias else None
         return cls(kind, N, K, qw, sc, b, off, dtype)

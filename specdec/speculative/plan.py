@@ -197,8 +197,8 @@ class CostPlanner:
 
     def gamma(self, r) -> int:
         """Block length to ask the drafter for: adaptive to the request's acceptance history, 0 (no draft) when
-        its acceptance does not pay for the drafting, except one draft every `explore_every` steps so that a
-        request whose text turns predictable is noticed."""
+        its acceptance does not pay for the drafting, except on exploration steps (one in `explore_every`, the same
+        steps for every request) so that a request whose text turns predictable is noticed."""
         if not self.adaptive_gamma:
             return r.gamma
         # a new request starts from what other requests' drafts measured (it used to draft a full block until its

@@ -153,18 +153,18 @@ inline void tile(const uint8_t* codes, const at::Half* s, const at::Half* o, Row
     }
 }
 
-template <int BITS, int CB, typename T>
+template <int BITS, typename T>   // a tile of r (1..ROWS) rows on one block
 inline void rows_tile(int r, const uint8_t* codes, const at::Half* s, const at::Half* o, Rows x, int64_t K,
                       int64_t N, int64_t n0, T* y) {
   switch (r) {
-    case 8: tile<BITS, CB, 8>(codes, s, o, x, K, N, n0, y); break;
-    case 7: tile<BITS, CB, 7>(codes, s, o, x, K, N, n0, y); break;
-    case 6: tile<BITS, CB, 6>(codes, s, o, x, K, N, n0, y); break;
-    case 5: tile<BITS, CB, 5>(codes, s, o, x, K, N, n0, y); break;
-    case 4: tile<BITS, CB, 4>(codes, s, o, x, K, N, n0, y); break;
-    case 3: tile<BITS, CB, 3>(codes, s, o, x, K, N, n0, y); break;
-    case 2: tile<BITS, CB, 2>(codes, s, o, x, K, N, n0, y); break;
-    default: tile<BITS, CB, 1>(codes, s, o, x, K, N, n0, y); break;
+    case 8: tile<BITS, 1, 8>(codes, s, o, x, K, N, n0, y); break;
+    case 7: tile<BITS, 1, 7>(codes, s, o, x, K, N, n0, y); break;
+    case 6: tile<BITS, 1, 6>(codes, s, o, x, K, N, n0, y); break;
+    case 5: tile<BITS, 1, 5>(codes, s, o, x, K, N, n0, y); break;
+    case 4: tile<BITS, 1, 4>(codes, s, o, x, K, N, n0, y); break;
+    case 3: tile<BITS, 1, 3>(codes, s, o, x, K, N, n0, y); break;
+    case 2: tile<BITS, 1, 2>(codes, s, o, x, K, N, n0, y); break;
+    default: tile<BITS, 1, 1>(codes, s, o, x, K, N, n0, y); break;
   }
 }
 
@@ -183,7 +183,7 @@ void run(const uint8_t* codes, const at::Half* s, const at::Half* o, const int8_
         const int r = static_cast<int>(std::min<int64_t>(ROWS, M - m));
         T* ym = y + m * N + b * B;
         if (cb == 4) tile<BITS, 4, 1>(cp, sp, op, x, K, N, b * B, ym);
-        else rows_tile<BITS, 1>(r, cp, sp, op, x, K, N, b * B, ym);
+        else rows_tile<BITS>(r, cp, sp, op, x, K, N, b * B, ym);
       }
       b += cb;
     }
