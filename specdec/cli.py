@@ -39,6 +39,13 @@ def add_quant_arg(p: argparse.ArgumentParser, flag: str = "--quant", env: str = 
                         f"blocks where it has them; cached like the converted weights [{env}]")
 
 
+def add_draft_vocab_arg(p: argparse.ArgumentParser, flag: str = "--draft-vocab") -> None:
+    p.add_argument(flag, type=int, default=int(os.environ.get("SPECDEC_DRAFT_VOCAB", 0)),
+                   help="a draft model drafts from token ids below this only: a head that many rows long (BPE ids "
+                        "run in merge order, frequent first); exact in every acceptance mode; 0 = the whole "
+                        "vocabulary [SPECDEC_DRAFT_VOCAB]")
+
+
 def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
     v = os.environ.get("SPECDEC_BATCH_INVARIANT", "").strip().lower()
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
@@ -64,6 +71,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                                                  "unset = target-only decoding")
     p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
     add_quant_arg(p, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
+    add_draft_vocab_arg(p)
     p.add_argument("--draft-checkpoint", default=None, help="block: a trained drafter's directory (default: the one "
                    "shipped for the target; make train-drafter writes ~/.cache/specdec/drafter/...)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
@@ -104,7 +112,7 @@ def _generate(args, lm) -> int:
             target = load(args.model, args.dtype, quant=args.quant).model
         drafter = make_drafter(args.draft, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
                                skip=args.draft_layers, batch_invariant=args.batch_invariant, device=args.device,
-                               checkpoint=args.draft_checkpoint, quant=args.draft_quant)
+                               checkpoint=args.draft_checkpoint, quant=args.draft_quant, vocab=args.draft_vocab)
     tok = lm.tokenizer
     prompt = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

@@ -238,6 +238,40 @@ def test_row_tile_probe_finds_where_a_kernel_switches(switch, window, monkeypatc
                    for n in (2, 17, 33))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_attention_kernel_equals_the_gemm_schedule_up_to_rounding(dtype):
+    """The CPU kernel (attend_kernel: one (row, head) at a time, float32 cache read in place) that bf16 / fp16 models
+    run against the batched-GEMM schedule (attend_gemm) on the same groups: the same attention up to float32
+    summation order, so outputs within two units of the output dtype's last place and mostly equal; and stacked
+    sequences, padded rows included, get the bits each gets alone. A wrong key/value head, position or scale is far
+    outside that."""
+    from specdec.engine.attention import attend_gemm, attend_invariant_ref, attend_kernel, plan_groups
+    from specdec.engine.kv_cache import KVPool
+    from specdec.engine.layout import pack
+    g = torch.Generator().manual_seed(3)
+    kv = KVPool(1, 2, 64, 2048, page_size=16, dtype=torch.float32)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    seqs = [kv.allocate() for _ in range(3)]
+    lay = pack([SeqInput(seqs[0], list(range(70)), logits="none"), SeqInput(seqs[1], list(range(9)), logits="none"),
+                SeqInput(seqs[2], list(range(1)), logits="none")], kv, 96, 512)
+    groups = plan_groups(lay, dtype, "cpu", 3)
+    assert any(bool((grp.rows < 0).any()) for grp in groups)               # a stacked group with padded rows
+    q = torch.randn(80, 6, 64, generator=g).to(dtype)
+    y, ref = attend_kernel(q, kv.k[0], kv.v[0], groups), attend_gemm(q, kv.k[0], kv.v[0], groups)
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(2 ** -10)
+    assert ((y.float() - ref.float()).abs() <= 2.01 * ulp).all() and (y == ref).float().mean() > 0.9
+    assert torch.equal(y, attend_invariant_ref(q, kv.k[0], kv.v[0], groups))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(y, attend_kernel(q, kv.k[0], kv.v[0], groups))        # another thread split: same bits
+    finally:
+        torch.set_num_threads(saved)
+    wrong_head = attend_kernel(q.roll(1, dims=1), kv.k[0], kv.v[0], groups).view(80, 6, 64).roll(-1, dims=1)
+    assert not ((wrong_head.reshape(80, -1).float() - ref.float()).abs() <= 2.01 * ulp).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hkv", [1, 2])
 def test_stacked_attention_equals_each_sequence_alone(dtype, Hkv):

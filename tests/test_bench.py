@@ -7,7 +7,7 @@ import pytest
 
 from specdec.bench.report import RequestRecord, StepRecord, alpha_token, leviathan_gain, summarize
 
-FIELDS = ["requests", "tokens", "wall_s", "tokens_per_s", "steps", "alpha", "alpha_token", "AL",
+FIELDS = ["requests", "tokens", "wall_s", "tokens_per_s", "decode_tokens_per_s", "steps", "alpha", "alpha_token", "AL",
           "per_position_acceptance", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "draft_ms_per_step",
           "verify_ms_per_step", "c", "r", "bound", "speedup", "efficiency", "gamma"]
 
@@ -20,6 +20,7 @@ def test_summarize_arithmetic():
     s = summarize(reqs, steps, wall_s=0.5, gamma=4, baseline=base)
     assert s["alpha"] == 0.5 and s["AL"] == 3.0 and s["tokens_per_s"] == 60.0 and s["speedup"] == 1.5
     assert s["per_position_acceptance"] == [0.8, 0.6, 0.4, 0.2]
+    assert s["decode_tokens_per_s"] == pytest.approx(29 / 0.29)                     # prefill (ttft) left out
     assert s["alpha_token"] == pytest.approx((0.8 + 0.75 + 4 / 6 + 0.5) / 4)
     assert s["c"] == pytest.approx(4.0 / 4 / 20.0) and s["r"] == pytest.approx(0.5 / 20.0)
     assert s["bound"] == pytest.approx(leviathan_gain(s["alpha_token"], 4) / (1 + 4 * s["c"] + s["r"]))

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from specdec.draft import make_drafter
-from specdec.draft.model import ModelDrafter, layer_skip
+from specdec.draft.model import ModelDrafter, layer_skip, restrict_vocab
 from specdec.draft.ngram import lookup
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
@@ -80,6 +80,29 @@ def test_model_drafter_q_matches_its_sampler():
     assert prop.q.shape == (4, 96)
     for j, (t, c) in enumerate(zip(prop.tokens, prop.confidence)):
         assert prop.q[j, t] == c > 0 and (prop.q[j] > 0).sum() <= 10
+
+
+def test_restricted_vocab_drafts_from_the_first_ids_with_exact_q():
+    """restrict_vocab: logits over ids < n only (the full head's first n, weights shared), drafts among them, and q
+    a distribution over the whole vocabulary that is zero elsewhere (so acceptance stays exact)."""
+    draft = load("tiny-llama-draft").model
+    cut = restrict_vocab(draft, 48)
+    assert cut.lm_head.weight.data_ptr() == draft.embed.weight.data_ptr() and draft.lm_head is None
+    e_full, e_cut = Engine(draft), Engine(cut)
+    prompt = [5, 60, 7, 90, 3]
+    full = e_full.forward([SeqInput(e_full.new_sequence(), prompt)]).rows(0)
+    assert torch.allclose(e_cut.forward([SeqInput(e_cut.new_sequence(), prompt)]).rows(0), full[:, :48],
+                          rtol=0, atol=1e-12)
+    greedy = ModelDrafter(cut).propose([DraftItem("g", prompt, 5, 1)])[0]
+    assert greedy.tokens == [int(full[0, :48].argmax())]
+    p = SamplingParams(temperature=1.5, seed=3)
+    prop = ModelDrafter(cut).propose([DraftItem("r", prompt, 5, 6, p, Mode.REJECTION)])[0]
+    assert prop.q.shape == (6, 96) and (prop.q[:, 48:] == 0).all()
+    assert torch.allclose(prop.q.sum(-1), torch.ones(6, dtype=prop.q.dtype))
+    assert all(t < 48 and prop.q[j, t] == c > 0 for j, (t, c) in enumerate(zip(prop.tokens, prop.confidence)))
+    assert restrict_vocab(draft, 0) is draft and restrict_vocab(draft, 96) is draft
+    with pytest.raises(InvalidRequest, match="draft_vocab"):
+        restrict_vocab(draft, -5)
 
 
 def test_sparse_rows_dense():

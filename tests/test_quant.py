@@ -13,6 +13,7 @@ from specdec.engine import quant as Q
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.engine.row_tiles import RowTiles, probe_row_tiles
+from specdec.errors import ModelError
 from specdec.generate import Request, generate
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
 from specdec.speculative.sampling import SamplingParams
@@ -132,6 +133,23 @@ def test_qdot_matches_its_reference(bits, dtype):
     assert ((xq * a[..., None]).reshape(x.shape) - x.float()).abs().le(a.repeat_interleave(32, 1) * 0.5001).all()
 
 
+@pytest.mark.parametrize("kind", ["int8", "q8", "q4"])
+def test_first_rows_is_the_heads_first_outputs_bitwise(kind):
+    """A restricted draft head (draft.model.restrict_vocab) is a view of the head's first rows, and each output of
+    these kernels is computed on its own: the cut head gives exactly the full head's first outputs."""
+    g = torch.Generator().manual_seed(5)
+    lin = _qlinear(kind, torch.randn(200, 96, generator=g) * 0.02)
+    cut = lin.first_rows(64)
+    x = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    assert cut.shape == (64, 96) and cut.qweight.data_ptr() == lin.qweight.data_ptr()
+    assert torch.equal(cut.mm(x), lin.mm(x)[:, :64])
+    assert torch.equal(cut[torch.tensor([3, 63])], lin[torch.tensor([3, 63])])
+    assert lin.first_rows(200) is lin
+    if kind != "int8":      # the blocked layout cuts only at whole blocks of 16 outputs
+        with pytest.raises(ModelError, match="draft_vocab"):
+            lin.first_rows(60)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4", "q8", "q4"])
 def test_packed_kernels_row_invariant(kind):
     """A row's output bits do not depend on how many rows share the call (the engine probes this at start-up)."""
@@ -240,18 +258,27 @@ def test_untied_embedding_read_from_the_gguf_blocks(tmp_path, qtype):
 
 
 def test_kernel_refused_clearly_without_avx2(monkeypatch):
-    """On a CPU without AVX2 the int8-activation modes fail with a ModelError naming the field and the remedy."""
+    """On a CPU without AVX2 the int8-activation modes fail with a ModelError naming the field and the remedy, and
+    bf16 models run the tensor ops instead of the layer kernels (the same model up to float32 summation order)."""
     from specdec.engine import kernels
     from specdec.errors import ModelError
+    model = load("tiny-qwen2", "bf16").model
+    prompt = random_prompt(model.cfg.vocab_size, 20, seed=3)
+    with_kernels = Engine(model).score(prompt)
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: "flags : fpu sse2")
     kernels._load.cache_clear()
+    kernels.available.cache_clear()
     try:
         with pytest.raises(ModelError, match="AVX2") as e:
             Q.QLinear.q(4, *Q.quantize_int4(torch.randn(8, 64))).mm(torch.randn(1, 64).bfloat16())
         assert e.value.field == "quant" and "int4" in str(e.value.remedy)
         assert not kernels.available()
+        without = Engine(model).score(prompt)
+        assert torch.equal(without.argmax(-1), with_kernels.argmax(-1))
+        assert (without - with_kernels).abs().max() < 0.05 * with_kernels.abs().max()
     finally:
         kernels._load.cache_clear()
+        kernels.available.cache_clear()
 
 
 def test_unknown_mode_and_float64_are_refused():

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from specdec.draft import make_drafter
-from specdec.draft.model import ModelDrafter
+from specdec.draft.model import ModelDrafter, restrict_vocab
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.generate import Request, generate
@@ -26,6 +26,7 @@ def models():
 
 def drafters(target, draft):
     return {"model": ModelDrafter(draft, kv_tokens=4096), "ngram": make_drafter("ngram"),
+            "model-first-64-ids": ModelDrafter(restrict_vocab(draft, 64), kv_tokens=4096),
             "layer-skip": make_drafter("layer-skip", target, skip="0,1")}
 
 

@@ -38,20 +38,26 @@ class LlamaCpp:
         self.llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
                          n_batch=512, verbose=False, draft_model=draft)
         self.tokens, self.wall = 0, 0.0
+        self.decode_tokens, self.decode_s = 0, 0.0     # after each prompt's first token (prefill excluded)
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> None:
         t0 = time.perf_counter()
         for p in prompts:
-            n = 0
+            n, first = 0, None
             for _ in self.llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
                 n += 1
+                first = first or time.perf_counter()
                 if n >= max_tokens:
                     break
             self.tokens += n
+            self.decode_tokens += n - 1
+            self.decode_s += time.perf_counter() - first
         self.wall += time.perf_counter() - t0
 
     def reset_counts(self) -> None:
         self.tokens, self.wall = 0, 0.0
+        self.decode_tokens, self.decode_s = 0, 0.0
 
     def result(self) -> dict:
-        return {"tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / max(self.wall, 1e-9)}
+        return {"tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.tokens / max(self.wall, 1e-9),
+                "decode_tokens_per_s": self.decode_tokens / max(self.decode_s, 1e-9)}

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from ..speculative.sampling import SamplingParams
 from .prompts import encode, load_prompts
 from .report import RequestRecord, StepRecord, summarize
 
-COLUMNS = [("gamma", "{:>5}"), ("tokens_per_s", "{:>8.1f}"), ("speedup", "{:>7.2f}"), ("alpha", "{:>6.2f}"),
+COLUMNS = [("gamma", "{:>5}"), ("tokens_per_s", "{:>8.1f}"), ("decode_tokens_per_s", "{:>8.1f}"), ("speedup", "{:>7.2f}"), ("alpha", "{:>6.2f}"),
            ("alpha_token", "{:>6.2f}"), ("AL", "{:>5.2f}"), ("c", "{:>5.2f}"), ("r", "{:>6.3f}"), ("bound", "{:>6.2f}"),
            ("efficiency", "{:>6.2f}"), ("ttft_p50_s", "{:>7.3f}"), ("itl_p50_s", "{:>7.4f}"), ("itl_p99_s", "{:>7.4f}")]
 
@@ -107,11 +108,14 @@ def cmd_bench(args) -> int:
         if target is None and needs_target:   # TP: no process holds it whole
             from ..engine.registry import load
             target = load(args.target, args.dtype, quant=args.quant).model
-        drafters = {name: make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
-                                       skip=args.draft_layers, batch_invariant=args.batch_invariant,
-                                       device=args.device, quant=args.draft_quant,
-                                       checkpoint=ckpt or args.draft_checkpoint)
-                    for name, (kind, _, ckpt) in kinds.items()}
+        # --draft-vocab N,M: each model drafter once per restricted head size, in the same interleaved run
+        vocabs = [int(v) for v in str(args.draft_vocab).split(",")]
+        drafters = {name + (f" vocab={v or 'all'}" if len(vocabs) > 1 and kind not in ("ngram", "block") else ""):
+                    make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
+                                 batch_invariant=args.batch_invariant, device=args.device, quant=args.draft_quant,
+                                 checkpoint=ckpt or args.draft_checkpoint, vocab=v)
+                    for name, (kind, _, ckpt) in kinds.items()
+                    for v in (vocabs if kind not in ("ngram", "block") else vocabs[:1])}
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                       mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
@@ -170,11 +174,12 @@ def cmd_bench(args) -> int:
             llama = {k: p.result() for k, p in llamas.items()}
     print(table(list(results.items())))
     if llama:
-        base_tps = results["baseline (speculation off)"]["tokens_per_s"]
-        best = max(v["tokens_per_s"] for v in results.values())
-        for k, v in llama.items():
-            print(f"{k:<28}{v['tokens_per_s']:>14.1f}   ours baseline / it = {base_tps / v['tokens_per_s']:.2f}x, "
-                  f"ours best / it = {best / v['tokens_per_s']:.2f}x")
+        for key, what in (("tokens_per_s", "end to end"), ("decode_tokens_per_s", "decode only")):
+            base_tps = results["baseline (speculation off)"][key]
+            best = max(v[key] for v in results.values())
+            for k, v in llama.items():
+                print(f"{k:<28}{v[key]:>14.1f}   {what}: ours baseline / it = {base_tps / v[key]:.2f}x, "
+                      f"ours best / it = {best / v[key]:.2f}x")
     if peer:
         print(f"transformers {peer['kind']}: {peer['tokens_per_s']:.1f} tokens/s; "
               f"specdec best / transformers = {peer['ours_over_hf']:.2f}x")
@@ -242,6 +247,9 @@ def add_parsers(sub) -> None:
     add_device_args(b)
     add_quant_arg(b)
     add_quant_arg(b, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
+    b.add_argument("--draft-vocab", default=os.environ.get("SPECDEC_DRAFT_VOCAB", "0"),
+                   help="a draft model drafts from token ids below this only (see specdec generate --help); several, "
+                        "comma-separated, run each model drafter once per value [SPECDEC_DRAFT_VOCAB]")
     b.add_argument("--prompts", default="chat", help="humaneval | chat | FILE.jsonl")
     b.add_argument("-n", type=int, default=16, help="prompts (cycles through the set)")
     b.add_argument("--max-tokens", type=int, default=64)

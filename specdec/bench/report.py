@@ -46,8 +46,12 @@ def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float,
     ttft = [r.ttft_s for r in reqs if r.ttft_s is not None]
     itl = [x for r in reqs for x in r.itl_s]
     n_steps = len(steps)
+    # decode alone (what speculation speeds up): tokens after each request's first, over the time after it
+    decode_s = sum(sum(r.itl_s) for r in reqs)
+    decode_tokens = sum(r.tokens - 1 for r in reqs if r.itl_s)      # a streamed chunk may carry several tokens
     out = {
         "requests": len(reqs), "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s if wall_s else 0,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
         "steps": n_steps, "request_steps": req_steps,
         "alpha": accepted / drafted if drafted else 0.0,
         "AL": tokens / req_steps if req_steps else 0.0,

@@ -10,10 +10,11 @@ from ..speculative.propose import Drafter
 
 def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 16384, skip: str | None = None,
                  batch_invariant: bool = True, device: str = "cpu", checkpoint: str | None = None,
-                 quant: str | None = None, features: str = "local") -> Drafter:
+                 quant: str | None = None, features: str = "local", vocab: int | None = None) -> Drafter:
     """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), or any model name/path.
     batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs.
-    features: block only, "local" (tap the target in this process) or "wire" (the target sends them: draft server)."""
+    features: block only, "local" (tap the target in this process) or "wire" (the target sends them: draft server).
+    vocab: model drafters (and layer-skip) draft from token ids below it only (draft.model.restrict_vocab); 0/None: all."""
     if name == "ngram":
         from .ngram import NgramDrafter
         return NgramDrafter()
@@ -25,15 +26,16 @@ def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 1
         # in the target's dtype (bf16 for real models: 5.3 ms a 6-slot draft for SmolLM2 here, 13.9 in fp32)
         return BlockDrafter(load_checkpoint(checkpoint, target_model, dtype=target_model.embed.weight.dtype),
                             target_model, kv_tokens=kv_tokens, features=features)
-    from .model import ModelDrafter, layer_skip
+    from .model import ModelDrafter, layer_skip, restrict_vocab
     if name == "layer-skip":
         if target_model is None:
             raise ValueError("layer-skip needs the target model")
-        return ModelDrafter(layer_skip(target_model, skip).to(device), kv_tokens=kv_tokens, name="layer-skip",
-                            batch_invariant=batch_invariant)
+        return ModelDrafter(restrict_vocab(layer_skip(target_model, skip).to(device), vocab), kv_tokens=kv_tokens,
+                            name="layer-skip", batch_invariant=batch_invariant)
     from ..engine.registry import load
     # quant: a draft model's own --draft-quant (layer-skip and block run on the target's weights as loaded)
-    return ModelDrafter(load(name, dtype, quant=quant).model.to(device), kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)
+    model = restrict_vocab(load(name, dtype, quant=quant).model.to(device), vocab)
+    return ModelDrafter(model, kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)
 
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"

@@ -17,6 +17,10 @@ decode). Three rules make it so:
   - Accumulation: scores, softmax and the weighted sum in float32 for bf16/fp16 models (the model dtype otherwise),
     softmax per row over the fixed padded length. The engine keeps the KV cache in that dtype, so the gathers below
     need no cast.
+That is `attend_gemm`. On a CPU that builds our kernels, bf16/fp16 models run `attend_kernel` instead (one C++ call
+per group, kernels/layer_ops.cpp): each (row, head) reads exactly its own keys from the paged cache and reduces in
+one fixed order, invariant by construction with no padding or tiles, and one op where the GEMM schedule runs ~15
+(decode is dispatch-bound). The two round differently (float32 summation order).
 Norms, RoPE and the MLP's pointwise ops are per-row already; linears run on the window of row counts where a
 start-up probe finds the BLAS row-invariant (engine/row_tiles.py).
 """
@@ -27,6 +31,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from . import kernels
 
 KEY_BLOCK = 64       # keys are read in multiples of this (the padding is masked)
 QUERY_TILE = 8       # every score / value GEMM has exactly this many query rows
@@ -43,6 +49,7 @@ class AttnGroup:
     slots: torch.Tensor       # [S, Lp] KV slots to read (padding points at position 0's slot: finite, then masked)
     mask: torch.Tensor        # [S, m * g, Lp] additive float mask per (row, head in kv group): 0 for keys the row
                               # sees, -inf beyond its position
+    lens: torch.Tensor        # [S, m] keys each row sees (0 for padding): what the CPU kernel reads instead of mask
     _index: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def index(self, T: int, Hkv: int, g: int, rs: int) -> tuple[torch.Tensor, ...]:
@@ -91,16 +98,17 @@ def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[A
                 [s.read_slots, s.read_slots[:1].expand(lp - s.read_slots.numel())])
             mask = torch.zeros(j - i, lp, dtype=acc)
             mask.masked_fill_(torch.arange(lp)[None, :] >= lens[i:j, None], float("-inf"))
-            buckets.setdefault(lp, []).append((torch.arange(s.row0 + i, s.row0 + j), slots, mask))
+            buckets.setdefault(lp, []).append((torch.arange(s.row0 + i, s.row0 + j), slots, mask, lens[i:j]))
             i = j
     groups = []
     for members in buckets.values():
-        m = max(r.numel() for r, _, _ in members)
-        rows = torch.stack([F.pad(r, (0, m - r.numel()), value=-1) for r, _, _ in members])
+        m = max(r.numel() for r, *_ in members)
+        rows = torch.stack([F.pad(r, (0, m - r.numel()), value=-1) for r, *_ in members])
         mask = torch.stack([F.pad(k, (0, 0, 0, m - k.shape[0])).repeat_interleave(heads_per_kv, 0)
-                            for _, _, k in members])
-        groups.append(AttnGroup(rows.to(device), torch.stack([sl for _, sl, _ in members]).to(device),
-                                mask.to(device)))
+                            for _, _, k, _ in members])
+        lens = torch.stack([F.pad(n, (0, m - n.numel())) for *_, n in members])
+        groups.append(AttnGroup(rows.to(device), torch.stack([sl for _, sl, _, _ in members]).to(device),
+                                mask.to(device), lens.to(device)))
     return groups
 
 
@@ -110,8 +118,30 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
     """q [T, H, hd] -> [T, H * hd]. k_cache/v_cache [slots, Hkv, hd] already hold this forward's keys/values.
-    Per group: three gathers into GEMM layout, two batched GEMMs of QUERY_TILE rows, one gather back (decode is
-    dispatch-bound, so every reshuffle is a precomputed index rather than a permute and a copy)."""
+    On a CPU with our kernels, bf16 / fp16 models (float32 cache) run attend_kernel; otherwise attend_gemm."""
+    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == torch.float32
+            and kernels.available()):
+        return attend_kernel(q, k_cache, v_cache, groups)
+    return attend_gemm(q, k_cache, v_cache, groups)
+
+
+def attend_kernel(q, k_cache, v_cache, groups: list[AttnGroup]):
+    """One call per group of the C++ kernel (kernels/qdot.cpp `attend`): each (row, head) reads its own keys straight
+    from the paged cache, in float32, in one fixed order, so a row's bits depend on that row alone (no padding or
+    tiles needed). Decode is dispatch-bound: this is one op where attend_gemm runs ~15."""
+    T, H, hd = q.shape
+    if q.stride(2) != 1 or q.stride(1) != hd:
+        q = q.contiguous()
+    out = torch.empty(T, H * hd, dtype=q.dtype, device=q.device)
+    for grp in groups:
+        kernels.attend(q, k_cache, v_cache, grp.rows, grp.slots, grp.lens, 1.0 / math.sqrt(hd), out)
+    return out
+
+
+def attend_gemm(q, k_cache, v_cache, groups: list[AttnGroup]):
+    """The same as batched GEMMs. Per group: three gathers into GEMM layout, two batched GEMMs of QUERY_TILE rows, one
+    gather back (decode is dispatch-bound, so every reshuffle is a precomputed index rather than a permute and a
+    copy)."""
     T, H, hd = q.shape
     Hkv = k_cache.shape[1]
     g = H // Hkv
@@ -156,7 +186,8 @@ def attend_invariant_ref(q, k_cache, v_cache, groups: list[AttnGroup]):
     for grp in groups:
         for i in range(grp.rows.shape[0]):
             r = grp.rows[i][grp.rows[i] >= 0]
-            alone = AttnGroup(r[None], grp.slots[i:i + 1], grp.mask[i:i + 1, :r.numel() * g])
+            alone = AttnGroup(r[None], grp.slots[i:i + 1], grp.mask[i:i + 1, :r.numel() * g],
+                              grp.lens[i:i + 1, :r.numel()])
             out[r] = attend_invariant(q, k_cache, v_cache, [alone])[r]
     return out
 

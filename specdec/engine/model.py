@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import attend_fast, attend_invariant
 from .quant import linear as qlinear   # F.linear, or the packed kernel for a quantized weight (engine/quant.py)
 
@@ -54,8 +55,11 @@ class Attention(nn.Module):
     def attend(self, q, k, v, layout, k_cache, v_cache):
         """Write this step's keys/values at their positions' slots (rollback is just overwriting), then let each
         row attend to its sequence's cached prefix + causally within its new rows. The ragged part: always eager."""
-        k_cache.index_copy_(0, layout.write_slots, k.to(k_cache.dtype))     # a float32 cache under the invariant
-        v_cache.index_copy_(0, layout.write_slots, v.to(v_cache.dtype))     # attention (engine.py)
+        if _cpu_kernels(q):     # the two casts and copies below in one call
+            kernels.write_kv(k_cache, v_cache, layout.write_slots, k, v)
+        else:
+            k_cache.index_copy_(0, layout.write_slots, k.to(k_cache.dtype))     # a float32 cache under the invariant
+            v_cache.index_copy_(0, layout.write_slots, v.to(v_cache.dtype))     # attention (engine.py)
         if layout.attn_groups is not None:
             return attend_invariant(q, k_cache, v_cache, layout.attn_groups)
         return attend_fast(q, k_cache, v_cache, layout)
@@ -79,8 +83,17 @@ def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=ql
     return x + reduce(linear(F.silu(gate) * up, w_down))
 
 
+def _cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether x's op may run one of our CPU kernels (kernels/layer_ops.cpp): inference on a CPU that builds them, not
+    under autograd (the drafter's training) or torch.compile (compile tiers trace the tensor ops)."""
+    return (x.device.type == "cpu" and not x.requires_grad and not torch.compiler.is_compiling()
+            and kernels.available())
+
+
 def rms_norm(x, w, eps: float):
     # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
+    if x.dtype in (torch.bfloat16, torch.float16) and not w.requires_grad and _cpu_kernels(x):
+        return kernels.rms_norm(x, w, eps)     # the same in one call, not ~8 (decode is dispatch-bound)
     xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     return F.rms_norm(xf, (x.shape[-1],), eps=eps).to(x.dtype) * w
 
@@ -101,7 +114,9 @@ def rotary_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding, x [T, heads, hd] with cos/sin [T, hd] from rotary_tables:
     [x1 c - x2 s, x2 c + x1 s] as x * cos + roll(x) * sin (bit for bit: negating s is exact), four ops instead of
-    eight (decode is dispatch-bound)."""
+    eight (decode is dispatch-bound); on a CPU with our kernels, one call with the same bits."""
+    if _cpu_kernels(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return kernels.rope(x, cos, sin)
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin[:, None, :]
 
 

@@ -143,6 +143,22 @@ class QLinear(nn.Module):
             b = torch.empty(N, dtype=dtype) if bias else None
         return cls(kind, N, K, qw, sc, b, off, dtype)
 
+    def first_rows(self, n: int) -> "QLinear":
+        """The first n outputs as a QLinear sharing this one's storage (a restricted draft head, draft/model.py).
+        q4 / q8 need n a multiple of 16 (whole blocks of the layout); the CPU int4 pack has no row slices."""
+        if n >= self.out_features:
+            return self
+        if self.kind == "int8":
+            parts = (self.qweight[:n], self.scales[:n], None)
+        elif self.kind in BITS and n % QBLOCK == 0:
+            b = n // QBLOCK
+            parts = (self.qweight[:b], self.scales[:b], self.offsets[:b])
+        else:
+            raise ModelError(f"a {self.kind} weight cannot be cut to its first {n} rows", field="draft_vocab",
+                             remedy=f"use a multiple of {QBLOCK} (q4 / q8) or another --quant")
+        bias = None if self.bias is None else self.bias[:n]
+        return QLinear(self.kind, n, self.in_features, parts[0], parts[1], bias, parts[2], self._dtype)
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()                              # the kernels want dense rows
         if self.kind == "int4":

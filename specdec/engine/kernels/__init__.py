@@ -3,6 +3,8 @@ system C++ compiler; -march=native, so the build is cached per CPU and source).
 
     from specdec.engine import kernels
     y = kernels.qdot(x, codes, scale, offset, bits=4, n=N)   # qdot.cpp: 4/8-bit weights x int8 activations
+    y = kernels.rms_norm(x, w, eps)                          # layer_ops.cpp: a row's RMSNorm in one call, and
+    kernels.attend(...), kernels.rope(...), kernels.write_kv(...)   # attention, rotary, KV writes (decode's small ops)
 
 PyTorch has no CPU kernel that multiplies 4-bit weights by int8 activations: its `_weight_int4pack_mm_for_cpu`
 dequantises the weights for every row of x in bf16, so it is compute-bound (~17 GB/s of weights for one row on a
@@ -20,7 +22,7 @@ import torch
 
 from ...errors import ModelError
 
-SOURCE = Path(__file__).with_name("qdot.cpp")
+SOURCES = [Path(__file__).with_name(f) for f in ("qdot.cpp", "layer_ops.cpp")]
 
 
 def _cpu_flags() -> str:
@@ -44,7 +46,7 @@ def _load() -> None:
                          remedy="use --quant int4 or int8 (PyTorch's weight-only kernels)")
     # SPECDEC_KERNEL_CFLAGS: extra compiler flags, e.g. "-mno-avx512vnni" to build (and test) the AVX2 path
     extra = os.environ.get("SPECDEC_KERNEL_CFLAGS", "").split()
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + torch.__version__.encode() + flags.encode()
                          + " ".join(extra).encode()).hexdigest()[:12]
     build = cache_dir() / "kernels" / f"qdot-{key}"
     build.mkdir(parents=True, exist_ok=True)
@@ -54,7 +56,7 @@ def _load() -> None:
     except ImportError:
         pass
     try:
-        cpp_extension.load(name="specdec_qdot", sources=[str(SOURCE)], build_directory=str(build),
+        cpp_extension.load(name="specdec_qdot", sources=[str(f) for f in SOURCES], build_directory=str(build),
                            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra],
                            is_python_module=False, verbose=os.environ.get("SPECDEC_VERBOSE_BUILD") == "1")
     except Exception as e:   # no compiler / ninja: say so rather than fail deep inside a forward
@@ -68,6 +70,41 @@ def qdot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torc
     layout (quant.QLinear.q packs it); x's dtype in and out, float32 inside."""
     _load()
     return torch.ops.specdec.qdot(x, codes, scale, offset, bits, n)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row in one call (qdot.cpp): T(T(x / rms(x)) * w), float32 inside (what model.rms_norm computes
+    with ~8 tensor ops, up to the order of the sum of squares)."""
+    _load()
+    return torch.ops.specdec.rms_norm(x, w, eps)
+
+
+def attend(q, k, v, rows, slots, lens, scale: float, out: torch.Tensor) -> None:
+    """Batch-invariant attention of one AttnGroup (engine/attention.py attend_kernel), written into out [T, H * hd]."""
+    _load()
+    torch.ops.specdec.attend(q, k, v, rows, slots, lens, scale, out)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """model.rope in one call, bitwise (x [T, heads, hd] with dense head vectors)."""
+    _load()
+    return torch.ops.specdec.rope(x, cos, sin)
+
+
+def write_kv(k_cache, v_cache, slots, k, v) -> None:
+    """k_cache[slots] = k and v_cache[slots] = v (cast to the cache dtype) in one call (Attention.attend)."""
+    _load()
+    torch.ops.specdec.write_kv(k_cache, v_cache, slots, k, v)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU builds and runs our kernels (AVX2 + FMA and a compiler)."""
+    try:
+        _load()
+        return True
+    except ModelError:
+        return False
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +124,3 @@ def qdot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, of
     sums = (a.double() * xq.double().sum(-1))                                   # a * sum(xq) per group
     return (dots * (a.double()[:, None, :] * scale.double()[None])).sum(-1) + sums @ offset.double().t()
 
-
-def available() -> bool:
-    try:
-        _load()
-        return True
-    except ModelError:
-        return False

@@ -1,0 +1,214 @@
+// The small per-layer ops of a decode step, one call each where PyTorch runs several tensor ops (a small model's
+// decode is dispatch-bound: ~5-30 us an op here, against microseconds of arithmetic). Each keeps a row's bits a
+// function of that row alone (batch invariance); rope and write_kv give exactly the bits of the tensor ops they
+// replace (engine/model.py, engine/attention.py keep those as the reference and for other devices).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// RMSNorm of each row in one call: torch's F.rms_norm in float32, the cast and the weight multiply are ~8 tensor ops,
+// 50 us a call here, twice a layer. y = T(T(x * r) * w) with r = 1 / sqrt(mean(x^2) + eps) in float32, the sum of
+// squares in a fixed order (8 strided partial sums, then pairwise), so a row's bits depend on that row alone.
+template <typename T>
+void rms_rows(const T* x, const T* w, int64_t M, int64_t D, float eps, T* y) {
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * D;
+      float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int64_t d = 0;
+      for (; d + 8 <= D; d += 8)
+        for (int j = 0; j < 8; ++j) {
+          const float v = static_cast<float>(xr[d + j]);
+          part[j] += v * v;
+        }
+      for (; d < D; ++d) {
+        const float v = static_cast<float>(xr[d]);
+        part[d % 8] += v * v;
+      }
+      const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      const float r = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
+      for (d = 0; d < D; ++d) {
+        const T normed = static_cast<T>(static_cast<float>(xr[d]) * r);
+        y[m * D + d] = static_cast<T>(static_cast<float>(normed) * static_cast<float>(w[d]));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == D && w.scalar_type() == x.scalar_type(), "rms_norm: w [D] in x's dtype");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), xc.numel() / std::max<int64_t>(D, 1), D,
+                       static_cast<float>(eps), y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+// Batch-invariant attention, one (row, head) at a time: the row's query against the keys it sees (its sequence's
+// slots 0..lens-1, read straight out of the paged float32 cache), softmax and the weighted sum of values, all in
+// float32 in one fixed order (8 strided partial sums per dot product, keys in position order). A row's bits depend on
+// that row alone: no padding, no tiles, no GEMM kernel picked by shape. It replaces ~15 tensor ops a layer (gathers,
+// casts, two batched GEMMs, softmax) that cost ~150 us a layer at decode.
+inline float dot8(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) acc[i % 8] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+template <typename T>
+void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const float* k, const float* v, int64_t Hkv,
+                 const int64_t* rows, const int64_t* slots, const int64_t* lens, int64_t Sm, int64_t m, int64_t Lp,
+                 float scale, T* out) {
+  const int64_t g = H / Hkv;
+  at::parallel_for(0, Sm * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(Lp), qf(hd), o(hd);
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t rm = it / H, h = it % H, row = rows[rm], L = lens[rm];
+      if (row < 0 || L <= 0) continue;                 // a padding row of the group
+      const int64_t* sl = slots + (rm / m) * Lp;
+      const int64_t kvh = h / g;
+      for (int64_t d = 0; d < hd; ++d) qf[d] = static_cast<float>(q[row * q_stride + h * hd + d]);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        p[j] = dot8(qf.data(), k + (sl[j] * Hkv + kvh) * hd, hd) * scale;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < L; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        sum += p[j];
+      }
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const float w = p[j] / sum;
+        const float* vr = v + (sl[j] * Hkv + kvh) * hd;
+        for (int64_t d = 0; d < hd; ++d) o[d] += w * vr[d];
+      }
+      T* orow = out + row * H * hd + h * hd;
+      for (int64_t d = 0; d < hd; ++d) orow[d] = static_cast<T>(o[d]);
+    }
+  });
+}
+
+// q [T, H, hd] (rows may be strided: the q part of the fused q|k rows), k/v cache float32 [slots, Hkv, hd]; one group:
+// rows [S, m] (-1 = padding), slots [S, Lp], lens [S, m] keys each row sees; writes out [T, H * hd] at its rows.
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+            const at::Tensor& slots, const at::Tensor& lens, double scale, at::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "attend: q [T, H, hd] with dense rows");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.is_contiguous() &&
+              v.is_contiguous(), "attend: float32 contiguous k/v cache");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type(), "attend: out [T, H * hd] in q's dtype");
+  const at::Tensor r = rows.contiguous(), s = slots.contiguous(), l = lens.contiguous();
+  const int64_t H = q.size(1), hd = q.size(2), Hkv = k.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend", [&] {
+    attend_rows<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), H, hd, k.data_ptr<float>(), v.data_ptr<float>(), Hkv,
+                          r.data_ptr<int64_t>(), s.data_ptr<int64_t>(), l.data_ptr<int64_t>(), r.numel(),
+                          r.size(1), s.size(1), static_cast<float>(scale), out.data_ptr<scalar_t>());
+  });
+}
+
+// Rotate-half rotary embedding of x [T, heads, hd] (rows may be strided) with cos / sin [T, hd] (the second half of
+// sin negated, engine/model.py rotary_tables): out = x * cos + roll(x, hd / 2) * sin, each product and the sum
+// rounded to T as the three tensor ops round them (bitwise the same).
+template <typename T>
+void rope_rows(const T* x, int64_t xs0, int64_t heads, int64_t hd, const T* c, const T* s, int64_t Tn, T* out) {
+  const int64_t half = hd / 2;
+  at::parallel_for(0, Tn * heads, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / heads, h = i % heads;
+      const T* xr = x + t * xs0 + h * hd;
+      const T* ct = c + t * hd;
+      const T* st = s + t * hd;
+      T* o = out + i * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        const T a = static_cast<T>(static_cast<float>(xr[d]) * static_cast<float>(ct[d]));
+        const T b = static_cast<T>(static_cast<float>(xr[(d + half) % hd]) * static_cast<float>(st[d]));
+        o[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+      }
+    }
+  });
+}
+
+template <>
+void rope_rows<double>(const double* x, int64_t xs0, int64_t heads, int64_t hd, const double* c, const double* s,
+                       int64_t Tn, double* out) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < Tn * heads; ++i) {
+    const int64_t t = i / heads, h = i % heads;
+    for (int64_t d = 0; d < hd; ++d)
+      out[i * hd + d] = x[t * xs0 + h * hd + d] * c[t * hd + d] + x[t * xs0 + h * hd + (d + half) % hd] * s[t * hd + d];
+  }
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "rope: x [T, heads, hd] with dense rows and an even hd");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  TORCH_CHECK(c.scalar_type() == x.scalar_type() && s.scalar_type() == x.scalar_type() && c.numel() == x.size(0) *
+              x.size(2) && s.numel() == c.numel(), "rope: cos / sin [T, hd] in x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.size(1), x.size(2), c.data_ptr<scalar_t>(),
+                        s.data_ptr<scalar_t>(), x.size(0), out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// This forward's keys and values into the paged cache: cache[slots[t]] = k[t] (cast to the cache dtype, exact: a
+// widening cast or none), for k and v at once; k / v [T, Hkv, hd] may be strided views of the fused qkv rows.
+template <typename S, typename C>
+void store_rows(const S* src, int64_t ss0, int64_t ss1, int64_t Hkv, int64_t hd, const int64_t* slots, int64_t Tn,
+                C* cache) {
+  for (int64_t t = 0; t < Tn; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const S* a = src + t * ss0 + h * ss1;
+      C* b = cache + (slots[t] * Hkv + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) b[d] = static_cast<C>(a[d]);
+    }
+}
+
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& k,
+              const at::Tensor& v) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "write_kv: contiguous caches of one dtype");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.scalar_type() ==
+              v.scalar_type() && k.size(0) == slots.numel(), "write_kv: k / v [T, Hkv, hd] with dense head vectors");
+  const at::Tensor sl = slots.contiguous();
+  const int64_t Hkv = k.size(1), hd = k.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    using S = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "write_kv_cache", [&] {
+      store_rows<S, scalar_t>(k.data_ptr<S>(), k.stride(0), k.stride(1), Hkv, hd, sl.data_ptr<int64_t>(), k.size(0),
+                              k_cache.data_ptr<scalar_t>());
+      store_rows<S, scalar_t>(v.data_ptr<S>(), v.stride(0), v.stride(1), Hkv, hd, sl.data_ptr<int64_t>(), v.size(0),
+                              v_cache.data_ptr<scalar_t>());
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor slots, Tensor lens, float scale, Tensor(a!) out) -> ()");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+}
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("attend", attend);
+  m.impl("rope", rope);
+  m.impl("write_kv", write_kv);
+}

@@ -1,0 +1,57 @@
+"""The small per-layer CPU kernels (engine/kernels/layer_ops.cpp) that a decode step runs instead of several tensor
+ops each: rope and write_kv give the tensor ops' bits exactly; rms_norm is within a rounding of them; all are
+row-invariant. (The attention kernel: tests/test_batch_invariance.py.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.engine import kernels
+from specdec.engine import model as model_mod
+from specdec.engine.model import rotary_tables
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_kernel_matches_torch_and_is_row_invariant(dtype):
+    """The one-call RMSNorm (qdot.cpp) that model.rms_norm uses for bf16 / fp16: each output within one rounding of
+    torch's float32 F.rms_norm then the weight multiply (its sum of squares runs in another order), mostly equal, and a
+    row's bits the same alone or in a pack of any size (it is what every layer of a batch-invariant forward runs)."""
+    from specdec.engine import kernels
+    g = torch.Generator().manual_seed(7)
+    D = 1000                                          # not a multiple of 8: the tail of the partial sums
+    x = (torch.randn(37, D, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(dtype)
+    w = torch.randn(D, generator=g).to(dtype)
+    y = kernels.rms_norm(x, w, 1e-6)
+    ref = (F.rms_norm(x.float(), (D,), eps=1e-6).to(dtype) * w)
+    ulp = torch.finfo(dtype).eps * ref.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((y.float() - ref.float()).abs() <= 2.01 * ulp).all() and (y == ref).float().mean() > 0.99
+    assert all(torch.equal(kernels.rms_norm(x[i:i + n], w, 1e-6), y[i:i + n]) for i, n in ((0, 1), (3, 5), (9, 28)))
+    assert not torch.equal(kernels.rms_norm(x, w.roll(1), 1e-6), y)          # the weight really is applied per column
+    assert torch.equal(model_mod.rms_norm(x, w, 1e-6), y)                     # and the model uses it
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_kernel_is_the_tensor_ops_bitwise(dtype):
+    """On strided rows (the q|k part of the fused qkv output, as the model passes them) in every dtype."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(9, 12 * 64, generator=g).to(dtype)
+    x = qkv[:, :10 * 64].view(9, 10, 64)                                   # rows strided by 12 heads
+    cos, sin = (t.to(dtype) for t in rotary_tables(torch.randn(9, 32, generator=g, dtype=torch.float64) * 50))
+    ref = x * cos[:, None, :] + x.roll(32, -1) * sin[:, None, :]
+    y = kernels.rope(x, cos, sin)
+    assert torch.equal(y, ref) and torch.equal(model_mod.rope(x, cos, sin), ref)
+    assert not torch.equal(kernels.rope(x, cos, sin.roll(1, 0)), ref)      # a row's own angles, not a neighbour's
+
+
+@pytest.mark.parametrize("cache_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.float64, torch.float64),
+                                               (torch.bfloat16, torch.bfloat16)], ids=str)
+def test_write_kv_kernel_is_index_copy(cache_dtype, dtype):
+    g = torch.Generator().manual_seed(2)
+    kc, vc = torch.randn(64, 2, 16, generator=g).to(cache_dtype), torch.randn(64, 2, 16, generator=g).to(cache_dtype)
+    qkv = torch.randn(5, 6 * 16, generator=g).to(dtype)
+    k, v = qkv[:, 2 * 16:4 * 16].view(5, 2, 16), qkv[:, 4 * 16:].view(5, 2, 16)   # strided views, as in the model
+    slots = torch.tensor([7, 3, 40, 41, 0])
+    rk, rv = kc.clone().index_copy_(0, slots, k.to(cache_dtype)), vc.clone().index_copy_(0, slots, v.to(cache_dtype))
+    kernels.write_kv(kc, vc, slots, k, v)
+    assert torch.equal(kc, rk) and torch.equal(vc, rv)
