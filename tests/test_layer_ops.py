@@ -55,3 +55,25 @@ def test_write_kv_kernel_is_index_copy(cache_dtype, dtype):
     rk, rv = kc.clone().index_copy_(0, slots, k.to(cache_dtype)), vc.clone().index_copy_(0, slots, v.to(cache_dtype))
     kernels.write_kv(kc, vc, slots, k, v)
     assert torch.equal(kc, rk) and torch.equal(vc, rv)
+
+
+def test_a_bf16_forward_runs_every_layer_kernel(monkeypatch):
+    """The engine's bf16 forward (inference mode, nn.Parameter weights that still require grad) takes the kernels in
+    every layer, and a forward under autograd (the drafter's training) takes the tensor ops."""
+    from specdec.engine.engine import Engine
+    from specdec.engine.layout import SeqInput
+    from specdec.engine.registry import load
+    calls = {}
+    for name in ("rms_norm", "attend", "rope", "write_kv"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=real, _n=name: calls.__setitem__(_n, calls.get(_n, 0) + 1)
+                            or _f(*a))
+    model = load("tiny-qwen2", "bf16").model
+    e = Engine(model)
+    e.forward([SeqInput(e.new_sequence(), [1, 2, 3])])
+    L = model.cfg.n_layers
+    assert calls == {"rms_norm": 2 * L + 1, "attend": L, "rope": L, "write_kv": L}
+    calls.clear()
+    x = torch.randn(3, model.cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    model_mod.rms_norm(x, model.norm.weight, 1e-6).float().sum().backward()
+    assert calls == {} and x.grad is not None

@@ -55,7 +55,7 @@ class Attention(nn.Module):
     def attend(self, q, k, v, layout, k_cache, v_cache):
         """Write this step's keys/values at their positions' slots (rollback is just overwriting), then let each
         row attend to its sequence's cached prefix + causally within its new rows. The ragged part: always eager."""
-        if _cpu_kernels(q):     # the two casts and copies below in one call
+        if _cpu_kernels(k, v):     # the two casts and copies below in one call
             kernels.write_kv(k_cache, v_cache, layout.write_slots, k, v)
         else:
             k_cache.index_copy_(0, layout.write_slots, k.to(k_cache.dtype))     # a float32 cache under the invariant
@@ -83,16 +83,17 @@ def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=ql
     return x + reduce(linear(F.silu(gate) * up, w_down))
 
 
-def _cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether x's op may run one of our CPU kernels (kernels/layer_ops.cpp): inference on a CPU that builds them, not
-    under autograd (the drafter's training) or torch.compile (compile tiers trace the tensor ops)."""
-    return (x.device.type == "cpu" and not x.requires_grad and not torch.compiler.is_compiling()
-            and kernels.available())
+def _cpu_kernels(*ts: torch.Tensor) -> bool:
+    """Whether an op on these tensors may run one of our CPU kernels (kernels/layer_ops.cpp): on a CPU that builds
+    them, not where autograd needs the graph (the drafter's training; a model's parameters require grad even in
+    inference mode, so the question is whether grad is enabled) or torch.compile traces the tensor ops."""
+    return (ts[0].device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+            and not torch.compiler.is_compiling() and kernels.available())
 
 
 def rms_norm(x, w, eps: float):
     # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
-    if x.dtype in (torch.bfloat16, torch.float16) and not w.requires_grad and _cpu_kernels(x):
+    if x.dtype in (torch.bfloat16, torch.float16) and _cpu_kernels(x, w):
         return kernels.rms_norm(x, w, eps)     # the same in one call, not ~8 (decode is dispatch-bound)
     xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     return F.rms_norm(xf, (x.shape[-1],), eps=eps).to(x.dtype) * w
