@@ -143,12 +143,16 @@ class ModelDrafter(Drafter):
             for r, i in enumerate(active):
                 it, s, toks, gamma = todo[i]
                 logits = out.rows(r)[-1]
-                q = probs(logits[None], it.params)[0]
-                if len(q) < self.vocab_size:                  # a restricted head (restrict_vocab): zero elsewhere
-                    q = F.pad(q, (0, self.vocab_size - len(q)))
                 pos = len(toks) - 1 + j                       # slot j predicts anchor_pos + j
-                x = draft_sample(q, it.mode, it.params.seed, pos)
-                conf = q[x] if not it.params.greedy else torch.softmax(logits.double(), -1)[x]
+                if it.params.greedy:     # the argmax; no q (greedy acceptance never reads it), so no [V] float64 rows
+                    x = int(logits.argmax())
+                    conf, q = torch.softmax(logits, -1)[x], None
+                else:
+                    q = probs(logits[None], it.params)[0]
+                    if len(q) < self.vocab_size:              # a restricted head (restrict_vocab): zero elsewhere
+                        q = F.pad(q, (0, self.vocab_size - len(q)))
+                    x = draft_sample(q, it.mode, it.params.seed, pos)
+                    conf = q[x]
                 t, c, qs = drafts[it.sid]
                 t.append(x), c.append(float(conf)), qs.append(q)
                 if j < gamma:                                  # the last draft token is never fed
