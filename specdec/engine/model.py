@@ -94,7 +94,7 @@ def _cpu_kernels(*ts: torch.Tensor) -> bool:
 def rms_norm(x, w, eps: float):
     # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
     if x.dtype in (torch.bfloat16, torch.float16) and _cpu_kernels(x, w):
-        return kernels.rms_norm(x, w, eps)     # the same in one call, not ~8 (decode is dispatch-bound)
+        return kernels.rms_norm(x, w, eps)     # one call, not ~8 (decode is dispatch-bound); within a rounding
     xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     return F.rms_norm(xf, (x.shape[-1],), eps=eps).to(x.dtype) * w
 
