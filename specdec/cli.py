@@ -39,11 +39,15 @@ def add_quant_arg(p: argparse.ArgumentParser, flag: str = "--quant", env: str = 
                         f"blocks where it has them; cached like the converted weights [{env}]")
 
 
-def add_draft_vocab_arg(p: argparse.ArgumentParser, flag: str = "--draft-vocab") -> None:
-    p.add_argument(flag, type=int, default=int(os.environ.get("SPECDEC_DRAFT_VOCAB", 0)),
+def add_draft_vocab_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """--draft-vocab N; several=True (specdec bench): a comma-separated list, each model drafter run once per value."""
+    p.add_argument("--draft-vocab", type=str if several else int,
+                   default=os.environ.get("SPECDEC_DRAFT_VOCAB", "0") if several
+                   else int(os.environ.get("SPECDEC_DRAFT_VOCAB", 0)),
                    help="a draft model drafts from token ids below this only: a head that many rows long (BPE ids "
                         "run in merge order, frequent first); exact in every acceptance mode; 0 = the whole "
-                        "vocabulary [SPECDEC_DRAFT_VOCAB]")
+                        "vocabulary" + ("; several, comma-separated, run each model drafter once per value" if several
+                                        else "") + " [SPECDEC_DRAFT_VOCAB]")
 
 
 def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:

@@ -50,8 +50,9 @@ class LlamaCpp:
                 if n >= max_tokens:
                     break
             self.tokens += n
-            self.decode_tokens += n - 1
-            self.decode_s += time.perf_counter() - first
+            if first is not None:
+                self.decode_tokens += n - 1
+                self.decode_s += time.perf_counter() - first
         self.wall += time.perf_counter() - t0
 
     def reset_counts(self) -> None:

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -19,8 +18,8 @@ from ..speculative.sampling import SamplingParams
 from .prompts import encode, load_prompts
 from .report import RequestRecord, StepRecord, summarize
 
-COLUMNS = [("gamma", "{:>5}"), ("tokens_per_s", "{:>8.1f}"), ("decode_tokens_per_s", "{:>8.1f}"), ("speedup", "{:>7.2f}"), ("alpha", "{:>6.2f}"),
-           ("alpha_token", "{:>6.2f}"), ("AL", "{:>5.2f}"), ("c", "{:>5.2f}"), ("r", "{:>6.3f}"), ("bound", "{:>6.2f}"),
+COLUMNS = [("gamma", "{:>5}"), ("tokens_per_s", "{:>8.1f}"), ("decode_tokens_per_s", "{:>8.1f}"),
+           ("speedup", "{:>7.2f}"), ("alpha", "{:>6.2f}"), ("alpha_token", "{:>6.2f}"), ("AL", "{:>5.2f}"), ("c", "{:>5.2f}"), ("r", "{:>6.3f}"), ("bound", "{:>6.2f}"),
            ("efficiency", "{:>6.2f}"), ("ttft_p50_s", "{:>7.3f}"), ("itl_p50_s", "{:>7.4f}"), ("itl_p99_s", "{:>7.4f}")]
 
 
@@ -110,12 +109,13 @@ def cmd_bench(args) -> int:
             target = load(args.target, args.dtype, quant=args.quant).model
         # --draft-vocab N,M: each model drafter once per restricted head size, in the same interleaved run
         vocabs = [int(v) for v in str(args.draft_vocab).split(",")]
-        drafters = {name + (f" vocab={v or 'all'}" if len(vocabs) > 1 and kind not in ("ngram", "block") else ""):
+        per_vocab = {name: vocabs if kind not in ("ngram", "block") and len(vocabs) > 1 else vocabs[:1]
+                     for name, (kind, _, _) in kinds.items()}
+        drafters = {name + (f" vocab={v or 'all'}" if len(per_vocab[name]) > 1 else ""):
                     make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
                                  batch_invariant=args.batch_invariant, device=args.device, quant=args.draft_quant,
                                  checkpoint=ckpt or args.draft_checkpoint, vocab=v)
-                    for name, (kind, _, ckpt) in kinds.items()
-                    for v in (vocabs if kind not in ("ngram", "block") else vocabs[:1])}
+                    for name, (kind, _, ckpt) in kinds.items() for v in per_vocab[name]}
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                       mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
@@ -175,6 +175,8 @@ def cmd_bench(args) -> int:
     print(table(list(results.items())))
     if llama:
         for key, what in (("tokens_per_s", "end to end"), ("decode_tokens_per_s", "decode only")):
+            if not all(v.get(key) for v in [*results.values(), *llama.values()]):
+                continue                          # one-token requests: nothing after the first token
             base_tps = results["baseline (speculation off)"][key]
             best = max(v[key] for v in results.values())
             for k, v in llama.items():
@@ -242,14 +244,12 @@ def add_parsers(sub) -> None:
     b.add_argument("--draft-layers", default=None)
     b.add_argument("--dtype", default=None)
     b.add_argument("--kv-tokens", type=int, default=65536)
-    from ..cli import add_batch_invariant_arg, add_device_args, add_quant_arg
+    from ..cli import add_batch_invariant_arg, add_device_args, add_draft_vocab_arg, add_quant_arg
     add_batch_invariant_arg(b)             # in process only; with --url the server's setting applies
     add_device_args(b)
     add_quant_arg(b)
     add_quant_arg(b, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
-    b.add_argument("--draft-vocab", default=os.environ.get("SPECDEC_DRAFT_VOCAB", "0"),
-                   help="a draft model drafts from token ids below this only (see specdec generate --help); several, "
-                        "comma-separated, run each model drafter once per value [SPECDEC_DRAFT_VOCAB]")
+    add_draft_vocab_arg(b, several=True)
     b.add_argument("--prompts", default="chat", help="humaneval | chat | FILE.jsonl")
     b.add_argument("-n", type=int, default=16, help="prompts (cycles through the set)")
     b.add_argument("--max-tokens", type=int, default=64)

@@ -119,8 +119,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
     """q [T, H, hd] -> [T, H * hd]. k_cache/v_cache [slots, Hkv, hd] already hold this forward's keys/values.
     On a CPU with our kernels, bf16 / fp16 models (float32 cache) run attend_kernel; otherwise attend_gemm."""
-    if (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == torch.float32
-            and kernels.available()):
+    if q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == torch.float32 and kernels.usable(q):
         return attend_kernel(q, k_cache, v_cache, groups)
     return attend_gemm(q, k_cache, v_cache, groups)
 

@@ -55,7 +55,7 @@ class Attention(nn.Module):
     def attend(self, q, k, v, layout, k_cache, v_cache):
         """Write this step's keys/values at their positions' slots (rollback is just overwriting), then let each
         row attend to its sequence's cached prefix + causally within its new rows. The ragged part: always eager."""
-        if _cpu_kernels(k, v):     # the two casts and copies below in one call
+        if kernels.usable(k, v):     # the two casts and copies below in one call
             kernels.write_kv(k_cache, v_cache, layout.write_slots, k, v)
         else:
             k_cache.index_copy_(0, layout.write_slots, k.to(k_cache.dtype))     # a float32 cache under the invariant
@@ -83,17 +83,9 @@ def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=ql
     return x + reduce(linear(F.silu(gate) * up, w_down))
 
 
-def _cpu_kernels(*ts: torch.Tensor) -> bool:
-    """Whether an op on these tensors may run one of our CPU kernels (kernels/layer_ops.cpp): on a CPU that builds
-    them, not where autograd needs the graph (the drafter's training; a model's parameters require grad even in
-    inference mode, so the question is whether grad is enabled) or torch.compile traces the tensor ops."""
-    return (ts[0].device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
-            and not torch.compiler.is_compiling() and kernels.available())
-
-
 def rms_norm(x, w, eps: float):
     # Normalise in float32 at least (as the reference implementations do), then scale in the model dtype.
-    if x.dtype in (torch.bfloat16, torch.float16) and _cpu_kernels(x, w):
+    if x.dtype in (torch.bfloat16, torch.float16) and kernels.usable(x, w):
         return kernels.rms_norm(x, w, eps)     # one call, not ~8 (decode is dispatch-bound); within a rounding
     xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
     return F.rms_norm(xf, (x.shape[-1],), eps=eps).to(x.dtype) * w
@@ -116,7 +108,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding, x [T, heads, hd] with cos/sin [T, hd] from rotary_tables:
     [x1 c - x2 s, x2 c + x1 s] as x * cos + roll(x) * sin (bit for bit: negating s is exact), four ops instead of
     eight (decode is dispatch-bound); on a CPU with our kernels, one call with the same bits."""
-    if _cpu_kernels(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+    if kernels.usable(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return kernels.rope(x, cos, sin)
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin[:, None, :]
 

@@ -107,6 +107,14 @@ def available() -> bool:
         return False
 
 
+def usable(*ts: torch.Tensor) -> bool:
+    """Whether an op on these tensors may run one of the layer kernels instead of its tensor ops: on a CPU that builds
+    them, not where autograd needs the graph (the drafter's training; a model's parameters require grad even in
+    inference mode, so the question is whether grad is enabled) and not while torch.compile traces the tensor ops."""
+    return (ts[0].device.type == "cpu" and not (torch.is_grad_enabled() and any(t.requires_grad for t in ts))
+            and not torch.compiler.is_compiling() and available())
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq [M, K/32, 32] in -127..127 as float32, a [M, K/32]): qdot's per-group int8 rounding."""
     M, K = x.shape

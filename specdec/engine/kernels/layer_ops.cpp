@@ -8,6 +8,7 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -121,9 +122,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 
 // Rotate-half rotary embedding of x [T, heads, hd] (rows may be strided) with cos / sin [T, hd] (the second half of
 // sin negated, engine/model.py rotary_tables): out = x * cos + roll(x, hd / 2) * sin, each product and the sum
-// rounded to T as the three tensor ops round them (bitwise the same).
+// computed in A (float, or double for double) and rounded to T as the three tensor ops round them (bitwise the same).
 template <typename T>
 void rope_rows(const T* x, int64_t xs0, int64_t heads, int64_t hd, const T* c, const T* s, int64_t Tn, T* out) {
+  using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const int64_t half = hd / 2;
   at::parallel_for(0, Tn * heads, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -133,23 +135,12 @@ void rope_rows(const T* x, int64_t xs0, int64_t heads, int64_t hd, const T* c, c
       const T* st = s + t * hd;
       T* o = out + i * hd;
       for (int64_t d = 0; d < hd; ++d) {
-        const T a = static_cast<T>(static_cast<float>(xr[d]) * static_cast<float>(ct[d]));
-        const T b = static_cast<T>(static_cast<float>(xr[(d + half) % hd]) * static_cast<float>(st[d]));
-        o[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+        const T a = static_cast<T>(static_cast<A>(xr[d]) * static_cast<A>(ct[d]));
+        const T b = static_cast<T>(static_cast<A>(xr[(d + half) % hd]) * static_cast<A>(st[d]));
+        o[d] = static_cast<T>(static_cast<A>(a) + static_cast<A>(b));
       }
     }
   });
-}
-
-template <>
-void rope_rows<double>(const double* x, int64_t xs0, int64_t heads, int64_t hd, const double* c, const double* s,
-                       int64_t Tn, double* out) {
-  const int64_t half = hd / 2;
-  for (int64_t i = 0; i < Tn * heads; ++i) {
-    const int64_t t = i / heads, h = i % heads;
-    for (int64_t d = 0; d < hd; ++d)
-      out[i * hd + d] = x[t * xs0 + h * hd + d] * c[t * hd + d] + x[t * xs0 + h * hd + (d + half) % hd] * s[t * hd + d];
-  }
 }
 
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
