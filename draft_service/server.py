@@ -301,7 +301,8 @@ def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
         target = load(args.target_model, args.dtype, quant=args.quant).model
     return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
                         batch_invariant=args.batch_invariant, device=args.device, quant=args.quant,
-                        checkpoint=args.draft_checkpoint, features="wire", vocab=args.draft_vocab)
+                        checkpoint=args.draft_checkpoint, features="wire", vocab=args.draft_vocab,
+                        min_conf=args.draft_min_conf)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -349,7 +350,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from specdec.engine.quant import MODES as QUANT_MODES
-    from specdec.cli import add_draft_vocab_arg
+    from specdec.cli import add_draft_min_conf_arg, add_draft_vocab_arg
     p = argparse.ArgumentParser(prog="python -m draft_service", description="specdec gRPC draft server")
     p.add_argument("--host", default=_env("SPECDEC_DRAFT_HOST", "127.0.0.1"),
                    help="bind address (loopback by default; 0.0.0.0 to serve other hosts) [SPECDEC_DRAFT_HOST]")
@@ -373,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="quantized linears for the draft model (layer-skip: the target's layers it "
                         "keeps) [SPECDEC_DRAFT_QUANT]")
     add_draft_vocab_arg(p)
+    add_draft_min_conf_arg(p)
     p.add_argument("--kv-tokens", type=int, default=int(_env("SPECDEC_KV_TOKENS", 16384)),
                    help="draft KV pool in tokens; idle sessions are evicted (LRU) when full [SPECDEC_KV_TOKENS]")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,

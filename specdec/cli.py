@@ -39,15 +39,27 @@ def add_quant_arg(p: argparse.ArgumentParser, flag: str = "--quant", env: str = 
                         f"blocks where it has them; cached like the converted weights [{env}]")
 
 
+def _model_drafter_arg(p: argparse.ArgumentParser, flag: str, env: str, kind: type, help: str, several: bool) -> None:
+    """A model drafter's option; several=True (specdec bench): a comma-separated list, each model drafter run once
+    per value (bench splits it)."""
+    default = os.environ.get(env, "0")
+    p.add_argument(flag, type=str if several else kind, default=default if several else kind(default),
+                   help=help + ("; several, comma-separated, run each model drafter once per value" if several
+                                else "") + f" [{env}]")
+
+
 def add_draft_vocab_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
-    """--draft-vocab N; several=True (specdec bench): a comma-separated list, each model drafter run once per value."""
-    p.add_argument("--draft-vocab", type=str if several else int,
-                   default=os.environ.get("SPECDEC_DRAFT_VOCAB", "0") if several
-                   else int(os.environ.get("SPECDEC_DRAFT_VOCAB", 0)),
-                   help="a draft model drafts from token ids below this only: a head that many rows long (BPE ids "
-                        "run in merge order, frequent first); exact in every acceptance mode; 0 = the whole "
-                        "vocabulary" + ("; several, comma-separated, run each model drafter once per value" if several
-                                        else "") + " [SPECDEC_DRAFT_VOCAB]")
+    _model_drafter_arg(p, "--draft-vocab", "SPECDEC_DRAFT_VOCAB", int,
+                       "a draft model drafts from token ids below this only: a head that many rows long (BPE ids run "
+                       "in merge order, frequent first); exact in every acceptance mode; 0 = the whole vocabulary",
+                       several)
+
+
+def add_draft_min_conf_arg(p: argparse.ArgumentParser, several: bool = False) -> None:
+    _model_drafter_arg(p, "--draft-min-conf", "SPECDEC_DRAFT_MIN_CONF", float,
+                       "a draft model ends a greedy or coupled request's block at the first token it drafts with "
+                       "less than this probability (each slot costs a draft forward); outputs never change; 0 = "
+                       "always the whole block", several)
 
 
 def add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
@@ -76,6 +88,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
     add_quant_arg(p, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
     add_draft_vocab_arg(p)
+    add_draft_min_conf_arg(p)
     p.add_argument("--draft-checkpoint", default=None, help="block: a trained drafter's directory (default: the one "
                    "shipped for the target; make train-drafter writes ~/.cache/specdec/drafter/...)")
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per block")
@@ -116,7 +129,8 @@ def _generate(args, lm) -> int:
             target = load(args.model, args.dtype, quant=args.quant).model
         drafter = make_drafter(args.draft, target, dtype=args.dtype, kv_tokens=args.kv_tokens,
                                skip=args.draft_layers, batch_invariant=args.batch_invariant, device=args.device,
-                               checkpoint=args.draft_checkpoint, quant=args.draft_quant, vocab=args.draft_vocab)
+                               checkpoint=args.draft_checkpoint, quant=args.draft_quant, vocab=args.draft_vocab,
+                               min_conf=args.draft_min_conf)
     tok = lm.tokenizer
     prompt = tok.chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,

@@ -33,12 +33,17 @@ def test_bench_in_process_json(tmp_path):
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--target", "tiny-llama", "--draft",
                         "tiny-llama-draft", "-n", "4", "--max-tokens", "16", "--gamma", "2,3", "--concurrency", "2",
-                        "--ignore-eos", "--out", str(out), "--plot", str(tmp_path / "plots")],
+                        "--draft-min-conf", "0,0.99", "--ignore-eos", "--out", str(out),
+                        "--plot", str(tmp_path / "plots")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     runs = res["runs"]
-    assert set(runs) == {"baseline (speculation off)", "tiny-llama-draft gamma=2", "tiny-llama-draft gamma=3"}
+    assert set(runs) == {"baseline (speculation off)"} | {f"tiny-llama-draft min_conf={c} gamma={g}"
+                                                          for c in ("0", "0.99") for g in (2, 3)}
+    # the tiny draft is never 99% sure of a token: every block ends at its first slot
+    sure, whole = runs["tiny-llama-draft min_conf=0.99 gamma=3"], runs["tiny-llama-draft min_conf=0 gamma=3"]
+    assert sure["drafted"] < whole["drafted"]
     base = runs["baseline (speculation off)"]
     assert base["tokens"] == 4 * 16 and base["AL"] == 1.0
     for name, s in runs.items():
@@ -53,7 +58,7 @@ def test_bench_in_process_json(tmp_path):
         assert s["bound"] == pytest.approx(leviathan_gain(s["alpha_token"], s["gamma"]) /
                                            (1 + s["gamma"] * s["c"] + max(0.0, s["r"])))
         assert s["efficiency"] == pytest.approx(s["speedup"] / s["bound"])
-        assert 1.0 < s["AL"] <= s["gamma"] + 1
+        assert 1.0 < s["AL"] <= s["gamma"] + 1 or "0.99" in name
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"acceptance_per_position.png", "latency_cdf.png",
                                                                  "speedup_vs_gamma.png"}
     assert "tokens_p" in r.stdout and "speedup" in r.stdout

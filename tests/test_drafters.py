@@ -105,6 +105,22 @@ def test_restricted_vocab_drafts_from_the_first_ids_with_exact_q():
         restrict_vocab(draft, -5)
 
 
+def test_min_conf_ends_greedy_and_coupled_blocks_only():
+    """min_conf: a greedy / coupled block ends at the first slot drafted with less probability (that slot kept), the
+    same tokens as the whole block up to there; a rejection request keeps its whole block (its text depends on it)."""
+    draft = load("tiny-llama-draft").model
+    prompt = [5, 60, 7, 90, 3]
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    for params, mode in ((SamplingParams(), Mode.GREEDY), (seeded, Mode.COUPLED), (seeded, Mode.REJECTION)):
+        whole = ModelDrafter(draft).propose([DraftItem("r", prompt, 5, 6, params, mode)])[0]
+        assert len(whole.tokens) == 6
+        for cut in sorted(set(whole.confidence)) + [1.01]:       # every threshold between the slots' confidences
+            short = ModelDrafter(draft, min_conf=cut).propose([DraftItem("r", prompt, 5, 6, params, mode)])[0]
+            end = next((j + 1 for j, c in enumerate(whole.confidence) if c < cut), 6)
+            n = 6 if mode is Mode.REJECTION else end
+            assert short.tokens == whole.tokens[:n] and short.confidence == whole.confidence[:n], (mode, cut)
+
+
 def test_sparse_rows_dense():
     s = SparseRows(torch.tensor([[1, 3], [0, 0]]), torch.tensor([[0.25, 0.75], [1.0, 0.0]], dtype=torch.float64))
     assert s.dense(4).tolist() == [[0, 0.25, 0, 0.75], [1.0, 0, 0, 0]]

@@ -27,6 +27,7 @@ def models():
 def drafters(target, draft):
     return {"model": ModelDrafter(draft, kv_tokens=4096), "ngram": make_drafter("ngram"),
             "model-first-64-ids": ModelDrafter(restrict_vocab(draft, 64), kv_tokens=4096),
+            "model-min-conf": ModelDrafter(draft, kv_tokens=4096, min_conf=0.3),
             "layer-skip": make_drafter("layer-skip", target, skip="0,1")}
 
 

@@ -107,15 +107,19 @@ def cmd_bench(args) -> int:
         if target is None and needs_target:   # TP: no process holds it whole
             from ..engine.registry import load
             target = load(args.target, args.dtype, quant=args.quant).model
-        # --draft-vocab N,M: each model drafter once per restricted head size, in the same interleaved run
+        # --draft-vocab N,M / --draft-min-conf P,Q: each model drafter once per value (pair of values), in the same
+        # interleaved run
         vocabs = [int(v) for v in str(args.draft_vocab).split(",")]
-        per_vocab = {name: vocabs if kind not in ("ngram", "block") and len(vocabs) > 1 else vocabs[:1]
-                     for name, (kind, _, _) in kinds.items()}
-        drafters = {name + (f" vocab={v or 'all'}" if len(per_vocab[name]) > 1 else ""):
+        confs = [float(v) for v in str(args.draft_min_conf).split(",")]
+        variants = {name: [(v, mc, (f" vocab={v or 'all'}" if len(vocabs) > 1 else "") +
+                            (f" min_conf={mc:g}" if len(confs) > 1 else ""))
+                           for v in vocabs for mc in confs] if kind not in ("ngram", "block")
+                    else [(vocabs[0], confs[0], "")] for name, (kind, _, _) in kinds.items()}
+        drafters = {name + label:
                     make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
                                  batch_invariant=args.batch_invariant, device=args.device, quant=args.draft_quant,
-                                 checkpoint=ckpt or args.draft_checkpoint, vocab=v)
-                    for name, (kind, _, ckpt) in kinds.items() for v in per_vocab[name]}
+                                 checkpoint=ckpt or args.draft_checkpoint, vocab=v, min_conf=mc)
+                    for name, (kind, _, ckpt) in kinds.items() for v, mc, label in variants[name]}
         common = dict(max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
                       mode=args.acceptance or "coupled",
                       stop_ids=frozenset() if args.ignore_eos else lm.tokenizer.eos_ids)
@@ -244,12 +248,14 @@ def add_parsers(sub) -> None:
     b.add_argument("--draft-layers", default=None)
     b.add_argument("--dtype", default=None)
     b.add_argument("--kv-tokens", type=int, default=65536)
-    from ..cli import add_batch_invariant_arg, add_device_args, add_draft_vocab_arg, add_quant_arg
+    from ..cli import (add_batch_invariant_arg, add_device_args, add_draft_min_conf_arg, add_draft_vocab_arg,
+                       add_quant_arg)
     add_batch_invariant_arg(b)             # in process only; with --url the server's setting applies
     add_device_args(b)
     add_quant_arg(b)
     add_quant_arg(b, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")
     add_draft_vocab_arg(b, several=True)
+    add_draft_min_conf_arg(b, several=True)
     b.add_argument("--prompts", default="chat", help="humaneval | chat | FILE.jsonl")
     b.add_argument("-n", type=int, default=16, help="prompts (cycles through the set)")
     b.add_argument("--max-tokens", type=int, default=64)

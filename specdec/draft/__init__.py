@@ -10,11 +10,13 @@ from ..speculative.propose import Drafter
 
 def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 16384, skip: str | None = None,
                  batch_invariant: bool = True, device: str = "cpu", checkpoint: str | None = None,
-                 quant: str | None = None, features: str = "local", vocab: int | None = None) -> Drafter:
+                 quant: str | None = None, features: str = "local", vocab: int | None = None,
+                 min_conf: float = 0.0) -> Drafter:
     """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), or any model name/path.
     batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs.
     features: block only, "local" (tap the target in this process) or "wire" (the target sends them: draft server).
-    vocab: model drafters (and layer-skip) draft from token ids below it only (draft.model.restrict_vocab); 0/None: all."""
+    vocab: model drafters (and layer-skip) draft from token ids below it only (draft.model.restrict_vocab); 0/None: all.
+    min_conf: model drafters end a greedy / coupled request's block at a slot drafted with less probability."""
     if name == "ngram":
         from .ngram import NgramDrafter
         return NgramDrafter()
@@ -31,11 +33,11 @@ def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 1
         if target_model is None:
             raise ValueError("layer-skip needs the target model")
         return ModelDrafter(restrict_vocab(layer_skip(target_model, skip).to(device), vocab), kv_tokens=kv_tokens,
-                            name="layer-skip", batch_invariant=batch_invariant)
+                            name="layer-skip", batch_invariant=batch_invariant, min_conf=min_conf)
     from ..engine.registry import load
     # quant: a draft model's own --draft-quant (layer-skip and block run on the target's weights as loaded)
     model = restrict_vocab(load(name, dtype, quant=quant).model.to(device), vocab)
-    return ModelDrafter(model, kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant)
+    return ModelDrafter(model, kv_tokens=kv_tokens, name=name, batch_invariant=batch_invariant, min_conf=min_conf)
 
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"

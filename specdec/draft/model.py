@@ -73,10 +73,15 @@ class _Session:
 
 
 class ModelDrafter(Drafter):
-    def __init__(self, model: Transformer, *, kv_tokens: int = 16384, name: str = "model", batch_invariant: bool = True):
+    def __init__(self, model: Transformer, *, kv_tokens: int = 16384, name: str = "model", batch_invariant: bool = True,
+                 min_conf: float = 0.0):
         # batch_invariant: a session's drafts (hence, in rejection mode, the target's output) do not depend on which
-        # other sessions share the draft forward
+        # other sessions share the draft forward.
+        # min_conf: a greedy or coupled request's block ends at the first slot the draft gives less than this
+        # probability (that slot kept): each draft slot costs a forward, and one after a likely rejection is wasted.
+        # Rejection-sampled requests always get their whole block (their seeded text depends on the blocks).
         self.engine, self.name = Engine(model, kv_tokens=kv_tokens, batch_invariant=batch_invariant), name
+        self.min_conf = min_conf
         self.tokens = SessionTokens()
         self.kv: collections.OrderedDict[str, _Session] = collections.OrderedDict()   # LRU order
 
@@ -155,7 +160,8 @@ class ModelDrafter(Drafter):
                     conf = q[x]
                 t, c, qs = drafts[it.sid]
                 t.append(x), c.append(float(conf)), qs.append(q)
-                if j < gamma:                                  # the last draft token is never fed
+                if j < gamma and not (conf < self.min_conf and it.mode is not Mode.REJECTION):
+                    # the last draft token is never fed
                     s.cached.append(x)
                     nxt_active.append(i)
                     nxt_inputs.append(SeqInput(s.seq, [x]))
