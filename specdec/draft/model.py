@@ -158,10 +158,11 @@ class ModelDrafter(Drafter):
                         q = F.pad(q, (0, self.vocab_size - len(q)))
                     x = draft_sample(q, it.mode, it.params.seed, pos)
                     conf = q[x]
+                conf = float(conf)
                 t, c, qs = drafts[it.sid]
-                t.append(x), c.append(float(conf)), qs.append(q)
-                if j < gamma and not (conf < self.min_conf and it.mode is not Mode.REJECTION):
-                    # the last draft token is never fed
+                t.append(x), c.append(conf), qs.append(q)
+                ends = conf < self.min_conf and it.mode is not Mode.REJECTION     # the block ends at this slot
+                if j < gamma and not ends:                     # fed for the next slot (never the last one)
                     s.cached.append(x)
                     nxt_active.append(i)
                     nxt_inputs.append(SeqInput(s.seq, [x]))
