@@ -245,6 +245,24 @@ def test_draft_sample_modes():
         assert q[x] > 0 and x == accept_ref._inverse_cdf(q.tolist(), coins.coin(seed, pos, coins.Stream.DRAFT))
 
 
+def test_draft_sample_over_a_restricted_vocabulary_is_the_dense_draw():
+    """A drafter with a restricted vocabulary samples q over its ids only (no [V] row, no hash per id of the whole
+    vocabulary): the token must be the dense row's in every mode, ties and zero-mass ids included."""
+    rng = np.random.default_rng(6)
+    V = 300
+    for trial in range(200):
+        ids = torch.from_numpy(np.sort(rng.choice(V, size=int(rng.integers(1, 40)), replace=False)))
+        q = torch.from_numpy(_dist(rng, len(ids), ("sparse", "dense", "onehot")[trial % 3]))
+        if trial % 7 == 0 and len(ids) > 1:
+            q[:] = 1.0 / len(ids)                                 # all tied: the lower id wins, as on the dense row
+        dense = densify(ids[None], q[None], V)[0]
+        seed, pos = int(rng.integers(0, 2**40)), int(rng.integers(0, 2**20))
+        for mode in Mode:
+            assert draft_sample(q, mode, seed, pos, ids=ids) == draft_sample(dense, mode, seed, pos), (trial, mode)
+        cols = ids[torch.from_numpy(rng.permutation(len(ids)))]
+        assert torch.equal(coins.gumbel_at(seed, pos, cols), coins.gumbel(seed, pos, V)[cols])
+
+
 def test_densify():
     ids, probs = torch.tensor([[3, 1, 0], [2, 2, 0]]), torch.tensor([[0.5, 0.5, 0.0], [0.25, 0.75, 0.0]])
     dense = densify(ids, probs, 5)
@@ -358,3 +376,30 @@ def test_env_switch_catches_a_wrong_fast_path(monkeypatch):
     monkeypatch.setenv("SPECDEC_CHECK_ACCEPT", "1")
     with pytest.raises(AssertionError, match="disagrees"):
         accept(**b)
+
+
+def test_plain_targets_accept_as_the_whole_rows_do():
+    """Greedy and coupled requests accept from plain decoding's token at the rows they reach (accept.plain_targets,
+    computed lazily from the logits); that must equal accept() on every row's p, drafts partly the target's own."""
+    rng = np.random.default_rng(8)
+    for trial in range(60):
+        V, n_req = int(rng.integers(2, 80)), int(rng.integers(1, 5))
+        lgs, reqs, drafts = [], [], []
+        for i in range(n_req):
+            n = int(rng.integers(1, 6))
+            lg = torch.from_numpy(rng.normal(0, 3, (n, V)))
+            params = (sampling.SamplingParams() if rng.random() < 0.3 else
+                      sampling.SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.5])),
+                                              top_k=int(rng.choice([0, 5])), seed=int(rng.integers(0, 2**40))))
+            pos = int(rng.integers(0, 1000))
+            truth = [sampling.next_token(lg[j], params, pos + j) for j in range(n)]
+            d = [t if rng.random() < 0.7 else int(rng.integers(V)) for t in truth[:n - 1]]
+            lgs.append(lg), reqs.append((params, pos)), drafts.append(d)
+        got = acc.accept_targets([acc.plain_targets(lg, pr, pos, d) for lg, (pr, pos), d in zip(lgs, reqs, drafts)],
+                                 drafts)
+        p = torch.cat([sampling.probs(lg, pr) for lg, (pr, _) in zip(lgs, reqs)])
+        cu = torch.tensor([0] + [len(lg) for lg in lgs]).cumsum(0)
+        want = accept(p, None, torch.tensor([t for d in drafts for t in d], dtype=torch.long), cu,
+                      ["greedy" if pr.greedy else "coupled" for pr, _ in reqs], [pr.seed for pr, _ in reqs],
+                      [pos for _, pos in reqs])
+        assert got == want, trial

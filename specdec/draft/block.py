@@ -28,7 +28,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -140,7 +139,10 @@ class BlockDraftModel(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def init_from_target(self, target: Transformer, vocab_ids: torch.Tensor) -> "BlockDraftModel":
-        """Frozen embedding = the target's; head rows start as the target's lm_head rows of the draft vocabulary."""
+        """Frozen embedding = the target's; head rows start as the target's lm_head rows of the draft vocabulary
+        (ascending ids: sampling over them is then the dense row's draw, ties to the lower id)."""
+        if vocab_ids.numel() > 1 and not bool((vocab_ids[1:] > vocab_ids[:-1]).all()):
+            raise ValueError("a drafter's vocab_ids must be distinct and ascending")
         with torch.no_grad():
             emb = target.embed.weight
             self.emb.weight.copy_(emb.dequantize() if isinstance(emb, (QLinear, GGUFRows)) else emb)   # quantized
@@ -478,12 +480,10 @@ class BlockDrafter(Drafter):
                 pos = len(toks) - 1 + j + 1                            # slot j+1 predicts anchor_pos + j + 1
                 if it.params.greedy:
                     x_j = int(ids[lg[b].argmax()])
-                else:
-                    full = torch.full((self.V,), -math.inf, dtype=torch.float64)
-                    full[ids] = lg[b]                                  # zero probability outside the draft vocab
-                    q = probs(full[None], it.params)[0]
-                    x_j = draft_sample(q, it.mode, it.params.seed, pos)
-                    qs[b].append(q[ids].clone())
+                else:   # q lives on the draft vocabulary (zero elsewhere): no [V] row, no hash per vocabulary id
+                    q = probs(lg[b][None], it.params)[0]
+                    x_j = draft_sample(q, it.mode, it.params.seed, pos, ids=ids)
+                    qs[b].append(q)
                 drafted[b].append(x_j)
                 confs[b].append(float(cf[b]))
                 nxt_prev[b] = x_j

@@ -152,12 +152,13 @@ class ModelDrafter(Drafter):
                 if it.params.greedy:     # the argmax; no q (greedy acceptance never reads it), so no [V] float64 rows
                     x = int(logits.argmax())
                     conf, q = torch.softmax(logits, -1)[x], None
-                else:
+                else:    # a restricted head (restrict_vocab) drafts over ids 0..len(q)-1: coins for those only
                     q = probs(logits[None], it.params)[0]
-                    if len(q) < self.vocab_size:              # a restricted head (restrict_vocab): zero elsewhere
-                        q = F.pad(q, (0, self.vocab_size - len(q)))
-                    x = draft_sample(q, it.mode, it.params.seed, pos)
+                    head = torch.arange(len(q)) if len(q) < self.vocab_size else None
+                    x = draft_sample(q, it.mode, it.params.seed, pos, ids=head)
                     conf = q[x]
+                    if it.mode is Mode.REJECTION and len(q) < self.vocab_size:    # acceptance reads q: zero-padded
+                        q = F.pad(q, (0, self.vocab_size - len(q)))
                 conf = float(conf)
                 t, c, qs = drafts[it.sid]
                 t.append(x), c.append(conf), qs.append(q)

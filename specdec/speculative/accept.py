@@ -47,7 +47,7 @@ import torch
 from . import sampling
 from .coins import Stream, as_coords, coin, coins_many, gumbel_rows
 
-__all__ = ["Mode", "AcceptOutput", "accept", "accept_targets", "draft_sample", "densify", "residual_weights", "inverse_cdf",
+__all__ = ["Mode", "AcceptOutput", "accept", "accept_targets", "plain_targets", "draft_sample", "densify", "residual_weights", "inverse_cdf",
            "sample_residual", "CHECK_AGAINST_REFERENCE"]
 
 # Run the reference beside the fast path and assert equality (tests, debugging a deployment). Read per call too,
@@ -175,16 +175,22 @@ def sample_residual(p: torch.Tensor, q: torch.Tensor, seeds, positions) -> torch
     return inverse_cdf(residual_weights(p, q), u)
 
 
-def draft_sample(q_row: torch.Tensor, mode: Mode | str, seed: int | None, position: int) -> int:
+def draft_sample(q_row: torch.Tensor, mode: Mode | str, seed: int | None, position: int,
+                 ids: torch.Tensor | None = None) -> int:
     """The drafter's token for one slot from its distribution q_row [V] at absolute `position`, drawn with the coins
-    the verifier will use, so draft and acceptance agree by construction."""
+    the verifier will use, so draft and acceptance agree by construction.
+
+    ids: q_row is over these vocabulary ids only (ascending, zero elsewhere; a restricted draft vocabulary): the same
+    token as on densify(ids, q_row) without building or hashing the whole vocabulary (tested)."""
     mode = Mode(mode)
-    if mode is Mode.GREEDY:
-        return int(q_row.argmax())
+    q_row = q_row.to(torch.float64)
     if mode is Mode.COUPLED:   # same Gumbel stream as the target: equal samples whenever q and p agree enough
-        return sampling.sample_seeded(q_row.to(torch.float64), seed, position)
-    u = torch.tensor([coin(seed, position, Stream.DRAFT)], dtype=torch.float64)
-    return int(inverse_cdf(q_row.to(torch.float64)[None], u)[0])
+        return sampling.sample_seeded(q_row, seed, position, ids)
+    if mode is Mode.GREEDY:
+        k = int(q_row.argmax())
+    else:   # zero weights leave the running sum unchanged, so the draw over the support is the dense row's
+        k = int(inverse_cdf(q_row[None], torch.tensor([coin(seed, position, Stream.DRAFT)], dtype=torch.float64))[0])
+    return k if ids is None else int(ids[k])
 
 
 def densify(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -279,6 +285,22 @@ def _accept_fast(p: torch.Tensor, q: torch.Tensor | None, draft_tokens: torch.Te
     acc, em, xs = num_acc.tolist(), emitted.tolist(), draft_tokens.tolist()
     tokens = [xs[lo - i: lo - i + acc[i]] + [em[i]] for i, lo in enumerate(b.cu[:-1])]
     return AcceptOutput(num_acc.cpu(), tokens)
+
+
+def plain_targets(logits: torch.Tensor, params: sampling.SamplingParams, position: int,
+                  drafts: Sequence[int]) -> list[int]:
+    """What plain decoding emits at each of a greedy or coupled request's verified rows (logits [n, V], row j at
+    absolute position + j), up to and including the first row whose token differs from the draft there: all that
+    accept_targets needs. A coupled row costs a softmax and a hash per vocabulary id, so rows past the first
+    rejection are never computed (at T=0.7 most verified rows are); greedy rows are one argmax."""
+    if params.greedy:
+        return logits.argmax(-1).tolist()
+    out = []
+    for j in range(logits.shape[0]):
+        out.append(sampling.next_token(logits[j], params, position + j))
+        if j >= len(drafts) or drafts[j] != out[-1]:
+            break
+    return out
 
 
 def accept_targets(targets: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> AcceptOutput:

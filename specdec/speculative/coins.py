@@ -134,6 +134,12 @@ def _gumbel_of(u: torch.Tensor) -> torch.Tensor:
     return u.log_().neg_().log_().neg_()        # -log(-log u), in place
 
 
+def gumbel_at(seed: int, position: int, columns: torch.Tensor, stream: int = Stream.GUMBEL) -> torch.Tensor:
+    """gumbel(seed, position, V, stream)[columns], hashing those vocabulary ids only: float64 [len(columns)]. A draft
+    distribution that lives on a few thousand ids need not pay a hash per id of the whole vocabulary."""
+    return _gumbel_of(unit(mix(column_mix(columns.to(torch.int64)) ^ signed64(key(seed, position, stream)))))
+
+
 def gumbel(seed: int, position: int, vocab_size: int, stream: int = Stream.GUMBEL, device=None) -> torch.Tensor:
     """Gumbel(0,1) noise over the whole vocabulary for one position, float64 [V] (the key in Python integers: one
     row is the per-token case, where each tensor op's overhead counts)."""

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from .coins import Stream, gumbel
+from .coins import Stream, gumbel, gumbel_at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +54,14 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample_seeded(p: torch.Tensor, seed: int, position: int) -> int:
-    """Gumbel-max draw from one row p [V] with the coins of (seed, position). Zero-probability tokens never win."""
-    score = torch.log(p) + gumbel(seed, position, p.shape[-1], Stream.GUMBEL, p.device)
-    return int(score.masked_fill(p <= 0, -torch.inf).argmax())
+def sample_seeded(p: torch.Tensor, seed: int, position: int, ids: torch.Tensor | None = None) -> int:
+    """Gumbel-max draw from one row p [V] with the coins of (seed, position). Zero-probability tokens never win.
+
+    ids: p is over these vocabulary ids only (ascending; zero elsewhere): the draw on the dense row, with coins for
+    those ids alone (ties go to the lower id either way)."""
+    g = gumbel(seed, position, p.shape[-1], Stream.GUMBEL, p.device) if ids is None else gumbel_at(seed, position, ids)
+    k = int((torch.log(p) + g).masked_fill(p <= 0, -torch.inf).argmax())
+    return k if ids is None else int(ids[k])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from ..engine.backend import TopKBackend
 from ..engine.engine import Engine
-from .accept import Mode, accept, accept_targets
+from .accept import Mode, accept, accept_targets, plain_targets
 from .propose import DraftItem, Drafter, Proposal, SparseRows
 from .sampling import SamplingParams, probs
 from .verify import VerifyItem, verify
@@ -145,10 +145,12 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     t2 = time.perf_counter()
 
     # 4. accept, vectorised over the ragged batch
-    if all(r.mode is Mode.GREEDY for r in reqs):
-        # greedy needs each row's argmax, not [rows, V] float64 one-hot p (5 rows of Qwen's 151936 ids: ~3 ms)
-        out = accept_targets([lg.argmax(-1).tolist() for lg in logits],
-                             [pr.tokens[:v - 1] for pr, v in zip(props, vlen)])
+    if all(r.mode is not Mode.REJECTION for r in reqs):
+        # greedy and coupled slots pass iff the draft is plain decoding's token there: p only for the rows reached
+        # (greedy: an argmax, not [rows, V] float64 one-hot p; 5 rows of Qwen's 151936 ids: ~3 ms)
+        drafts = [pr.tokens[:v - 1] for pr, v in zip(props, vlen)]
+        out = accept_targets([plain_targets(lg, r.params, r.committed_len, d)
+                              for lg, r, d in zip(logits, reqs, drafts)], drafts)
         return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2)
     p = torch.cat([probs(lg, r.params) for lg, r in zip(logits, reqs)])
     dev = p.device                                   # acceptance runs where the logits are
