@@ -47,8 +47,8 @@ import torch
 from . import sampling
 from .coins import Stream, as_coords, coin, coins_many, gumbel_rows
 
-__all__ = ["Mode", "AcceptOutput", "accept", "accept_targets", "plain_targets", "draft_sample", "densify", "residual_weights", "inverse_cdf",
-           "sample_residual", "CHECK_AGAINST_REFERENCE"]
+__all__ = ["Mode", "AcceptOutput", "accept", "accept_targets", "plain_targets", "draft_sample", "densify",
+           "residual_weights", "inverse_cdf", "sample_residual", "CHECK_AGAINST_REFERENCE"]
 
 # Run the reference beside the fast path and assert equality (tests, debugging a deployment). Read per call too,
 # so setting the environment variable later also works.
