@@ -291,12 +291,12 @@ def build_server(drafter: Drafter, host: str = "127.0.0.1", port: int = 0, max_m
 
 
 def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
-    from specdec.draft import make_drafter
+    from specdec.draft import make_drafter, needs_target
     from specdec.engine.backend import check_device
 
     check_device(args.device)                 # a clear error before any weights load
     target = None
-    if args.drafter in ("layer-skip", "block"):   # layer-skip shares the target's weights; block its embedding
+    if needs_target(args.drafter):
         from specdec.engine.registry import load
         target = load(args.target_model, args.dtype, quant=args.quant).model
     return make_drafter(args.drafter, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
@@ -357,7 +357,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=int(_env("SPECDEC_DRAFT_PORT", 50061)), help="[SPECDEC_DRAFT_PORT]")
     p.add_argument("--drafter", default=_env("SPECDEC_DRAFTER", "ngram"),
                    help="ngram | layer-skip | block (trained, on the target's hidden states) | a draft model preset "
-                        "or path [SPECDEC_DRAFTER]")
+                        "or path; NAME+ngram: prompt lookup where the context repeats, NAME elsewhere "
+                        "[SPECDEC_DRAFTER]")
     p.add_argument("--target-model", default=_env("SPECDEC_TARGET_MODEL", "smollm2-135m"),
                    help="the target model whose layers layer-skip keeps (block: whose embedding it shares) "
                         "[SPECDEC_TARGET_MODEL]")

@@ -301,3 +301,39 @@ def test_served_block_drafter_gets_features_over_grpc(tiny, trained, tmp_path):
         proc.kill()
         proc.wait(10)
         log.close()
+
+
+def test_served_hybrid_answers_as_in_process(tiny, trained, tmp_path):
+    """block+ngram on the draft server: every answer equals the in-process hybrid's (lookup's copy where the last
+    tokens repeat, else the block drafter's block, whose feature cache is fed on every step, copied or not), and
+    greedy output through it equals plain decoding."""
+    from specdec.draft.hybrid import HybridDrafter
+    from specdec.draft.ngram import lookup
+    from target_service.draft_client import RemoteDrafter
+
+    from .test_draft_service import Server
+
+    target, ckpt = tiny.model, str(trained["block"][1])
+    srv = Server("block+ngram", tmp_path / "draft.log", "--target-model", "tiny-llama", "--draft-checkpoint", ckpt)
+    try:
+        srv.wait_serving()
+        remote = RemoteDrafter(f"127.0.0.1:{srv.port}", target.cfg.vocab_size, deadline_s=30, target_model=target)
+        local = HybridDrafter(BlockDrafter(load_checkpoint(ckpt, target), target, tap=False))
+        head = random_prompt(96, 10, seed=7)
+        toks = head + head[2:6] + [3, 1, 4, 1, 5, 9, 2, 6] + head[4:7]
+        copied = []
+        for n in range(len(head), len(toks) + 1):
+            it = DraftItem("s", toks[:n] if n == len(head) else toks[n - 1:n], n, 4, context=toks[:n])
+            a, b = remote.propose([it])[0], local.propose([it])[0]
+            assert a is not None and a.tokens == b.tokens, n
+            copied.append(bool(lookup(toks[:n], 4, 3, 2)))
+            assert a.tokens == lookup(toks[:n], 4, 3, 2) or not copied[-1]
+        assert any(copied) and not all(copied)
+        remote.release("s")
+        prompts = [p * 2 for p in _prompts(96, 4)]            # repeats: both drafters answer
+        outs = _spec(target, remote, prompts, SamplingParams(), 20, gamma=4)
+        remote.features.untap()
+        assert [o.tokens for o in outs] == _target_only(target, prompts, SamplingParams(), 20)
+        assert sum(o.stats.accepted for o in outs) > 0
+    finally:
+        srv.close()

@@ -33,11 +33,11 @@ COUPLED = SamplingParams(temperature=0.7, seed=5)
 
 
 class Server:
-    def __init__(self, drafter: str, log_path):
+    def __init__(self, drafter: str, log_path, *args: str):
         self.port, self.log_path = free_port(), log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "draft_service", "--drafter", drafter,
-                                      "--port", str(self.port), "--kv-tokens", "4096"],
+                                      "--port", str(self.port), "--kv-tokens", "4096", *args],
                                      cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = pb_grpc.DrafterStub(self.channel)

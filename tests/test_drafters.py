@@ -124,3 +124,30 @@ def test_min_conf_ends_greedy_and_coupled_blocks_only():
 def test_sparse_rows_dense():
     s = SparseRows(torch.tensor([[1, 3], [0, 0]]), torch.tensor([[0.25, 0.75], [1.0, 0.0]], dtype=torch.float64))
     assert s.dense(4).tolist() == [[0, 0.25, 0, 0.75], [1.0, 0, 0, 0]]
+
+
+def test_hybrid_copies_where_the_context_repeats_and_drafts_elsewhere():
+    """model+ngram: lookup's continuation where the last 2+ tokens occurred before, the model's block elsewhere;
+    the model sees every step (gamma 0 where lookup answered), so its later blocks are a fresh session's on the same
+    tokens: a request's drafts depend on its committed tokens alone (exact replay in rejection mode)."""
+    draft = load("tiny-llama-draft").model
+    d = make_drafter("tiny-llama-draft+ngram", dtype=torch.float64)
+    assert d.name == "tiny-llama-draft+ngram" and d.vocab_size == 96
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    toks = [5, 60, 7, 90, 3, 8]
+    steps = [[44, 60, 7], [11, 12, 13], [60, 7]]        # "60 7" repeats: lookup's turn; "12 13" is new: the model's
+    d.propose([DraftItem("r", toks, len(toks), 3, seeded, Mode.REJECTION)])
+    copied = []
+    for new in steps:
+        toks = toks + new
+        got = d.propose([DraftItem("r", new, len(toks), 3, seeded, Mode.REJECTION)])[0]
+        copy = lookup(toks, 3, 3, 2)
+        copied.append(bool(copy))
+        if copy:
+            assert got.tokens == copy and torch.equal(got.q_dense(96).argmax(-1), torch.tensor(copy))
+        else:
+            fresh = ModelDrafter(draft).propose([DraftItem("x", toks, len(toks), 3, seeded, Mode.REJECTION)])[0]
+            assert got.tokens == fresh.tokens and torch.equal(got.q_dense(96), fresh.q_dense(96))
+    assert copied == [True, False, True]
+    d.release("r")
+    assert "r" not in d.model.kv and "r" not in d.lookup.sessions.tokens

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from specdec.draft import make_drafter
+from specdec.draft.hybrid import HybridDrafter
 from specdec.draft.model import ModelDrafter, restrict_vocab
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
@@ -28,6 +29,7 @@ def drafters(target, draft):
     return {"model": ModelDrafter(draft, kv_tokens=4096), "ngram": make_drafter("ngram"),
             "model-first-64-ids": ModelDrafter(restrict_vocab(draft, 64), kv_tokens=4096),
             "model-min-conf": ModelDrafter(draft, kv_tokens=4096, min_conf=0.3),
+            "model+ngram": HybridDrafter(ModelDrafter(draft, kv_tokens=4096)),
             "layer-skip": make_drafter("layer-skip", target, skip="0,1")}
 
 

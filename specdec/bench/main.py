@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
     else:
         import torch
 
-        from ..draft import make_drafter
+        from ..draft import make_drafter, needs_target
         from ..engine.backend import open_backend
         from .run import run_inprocess
         torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -103,8 +103,8 @@ def cmd_bench(args) -> int:
         target = lm.model
         # several drafters, compared in one interleaved run; block:DIR names a trained drafter's checkpoint
         kinds = {name: name.partition(":") for name in args.draft.split(",")}
-        needs_target = args.peer_hf or any(k in ("layer-skip", "block") for k, _, _ in kinds.values())
-        if target is None and needs_target:   # TP: no process holds it whole
+        if target is None and (args.peer_hf or any(needs_target(k) for k, _, _ in kinds.values())):
+            # TP: no process holds the target whole
             from ..engine.registry import load
             target = load(args.target, args.dtype, quant=args.quant).model
         # --draft-vocab N,M / --draft-min-conf P,Q: each model drafter once per value (pair of values), in the same
@@ -113,7 +113,8 @@ def cmd_bench(args) -> int:
         confs = [float(v) for v in str(args.draft_min_conf).split(",")]
         variants = {name: [(v, mc, (f" vocab={v or 'all'}" if len(vocabs) > 1 else "") +
                             (f" min_conf={mc:g}" if len(confs) > 1 else ""))
-                           for v in vocabs for mc in confs] if kind not in ("ngram", "block")
+                           for v in vocabs for mc in confs]
+                    if kind.removesuffix("+ngram") not in ("ngram", "block")      # no draft model: one variant
                     else [(vocabs[0], confs[0], "")] for name, (kind, _, _) in kinds.items()}
         drafters = {name + label:
                     make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
@@ -242,7 +243,8 @@ def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmark speculative decoding against target-only decoding")
     b.add_argument("--url", default=None, help="a running stack's REST base URL; unset = in process")
     b.add_argument("--target", default="smollm2-135m")
-    b.add_argument("--draft", default="ngram", help="in process: ngram | layer-skip | block[:DIR] | a draft model; "
+    b.add_argument("--draft", default="ngram", help="in process: ngram | layer-skip | block[:DIR] | a draft model, "
+                   "each optionally +ngram (prompt lookup where the context repeats); "
                    "comma-separated: each one in the same interleaved run")
     b.add_argument("--draft-checkpoint", default=None, help="block: the trained drafter (default: the shipped one)")
     b.add_argument("--draft-layers", default=None)

@@ -8,15 +8,27 @@ from pathlib import Path
 from ..speculative.propose import Drafter
 
 
+def needs_target(name: str) -> bool:
+    """Whether drafter `name` is built on the target model (layer-skip shares its weights, block its embedding)."""
+    return name.removesuffix("+ngram") in ("layer-skip", "block")
+
+
 def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 16384, skip: str | None = None,
                  batch_invariant: bool = True, device: str = "cpu", checkpoint: str | None = None,
                  quant: str | None = None, features: str = "local", vocab: int | None = None,
                  min_conf: float = 0.0) -> Drafter:
-    """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), or any model name/path.
+    """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), 'block', or any model name/path;
+    NAME+ngram: prompt lookup where the context repeats, NAME's drafts elsewhere (e.g. 'block+ngram').
     batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs.
     features: block only, "local" (tap the target in this process) or "wire" (the target sends them: draft server).
     vocab: model drafters (and layer-skip) draft from token ids below it only (draft.model.restrict_vocab); 0/None: all.
     min_conf: model drafters end a greedy / coupled request's block at a slot drafted with less probability."""
+    if name.endswith("+ngram"):   # prompt lookup where the context repeats, that drafter elsewhere (draft/hybrid.py)
+        from .hybrid import HybridDrafter
+        return HybridDrafter(make_drafter(name.removesuffix("+ngram"), target_model, dtype=dtype, kv_tokens=kv_tokens,
+                                          skip=skip, batch_invariant=batch_invariant, device=device,
+                                          checkpoint=checkpoint, quant=quant, features=features, vocab=vocab,
+                                          min_conf=min_conf))
     if name == "ngram":
         from .ngram import NgramDrafter
         return NgramDrafter()

@@ -134,8 +134,8 @@ class ModelDrafter(Drafter):
                     break
                 keep += 1
             feeds.append(SeqInput(s.seq, toks[keep:], start=keep))
-            s.cached = toks[:]
             gamma = max(0, min(it.gamma, max_len - len(toks)))
+            s.cached = toks[:] if gamma > 0 else s.cached[:keep]    # a gamma-0 item is not fed (nothing to draft)
             todo.append((it, s, toks, gamma))
         drafts = {it.sid: ([], [], []) for it, *_ in todo}      # tokens, confidence, q rows
         active = [i for i, (_, _, _, g) in enumerate(todo) if g > 0]
