@@ -5,8 +5,10 @@ Bounds: in fp32 the two differ only in summation order and rope/norm rounding; o
 mistake (a wrong rope layout, a missed bias or norm shifts logits by O(1)). In bf16 both dequantise to the same bf16
 weights, but our batch-invariant attention accumulates scores, softmax and values in float32 while transformers'
 bf16 SDPA rounds them to bf16: over 30 layers that measured up to 1.6 on logits of ~15 (AMD AVX2) and 2.16 (AMD
-AVX-512 with native bf16 dot products, transformers 5.24), so bf16 is bounded at 3.0 and must agree on every argmax;
-the fp32 bound (1e-3) is the check of correctness.
+AVX-512 with native bf16 dot products, transformers 5.24), so bf16 is bounded at 3.0; fp32 must agree on every
+argmax, and the fp32 bound (1e-3) is the check of correctness. In bf16 the reference itself can tie: transformers
+5.25 on a Zen 4 EPYC gave two tokens 26.125 each after "The quick brown fox ... Then" (we gave 26.25 and 26.125,
+the same two tokens), so there our argmax must be one of the reference's tokens within two bf16 steps of its top.
 """
 import importlib.util
 
@@ -43,7 +45,12 @@ def test_smollm2_matches_transformers(dtype, bound):
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
         got = engine_logits(ours.model, ids).float()
-        assert torch.equal(got.argmax(-1), ref.argmax(-1)), text
+        if dtype == torch.float32:
+            assert torch.equal(got.argmax(-1), ref.argmax(-1)), text
+        else:   # bf16 holds 8 significant bits: a step at the top logit is 2^(exponent - 7)
+            top = ref.max(-1, keepdim=True).values
+            near = ref >= top - 2 * 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)
+            assert near.gather(-1, got.argmax(-1, keepdim=True)).all(), text
         assert (got - ref).abs().max() <= bound, text
 
 
