@@ -194,8 +194,9 @@ def parser() -> argparse.ArgumentParser:
     # 1.18x, 1.59x), hence block+ngram where a trained drafter ships.
     ap.add_argument("--drafter", default="auto",
                     help="draft server's drafter: ngram | layer-skip | block | a draft model preset or path, each "
-                         "optionally +ngram (default auto: block+ngram, the shipped trained drafter with prompt "
-                         "lookup, for smollm2-135m without --tp; else ngram)")
+                         "optionally +ngram: prompt lookup in the target, that drafter where lookup finds nothing "
+                         "(default auto: block+ngram, the shipped trained drafter, for smollm2-135m without --tp; "
+                         "else ngram)")
     ap.add_argument("--port", type=int, help="target REST port (default 8000; 0 = any free port)")
     ap.add_argument("--grpc-port", type=int, help="target gRPC port (default 50051; 0 = any free port)")
     ap.add_argument("--draft-port", type=int, help="draft gRPC port (default 50061; 0 = any free port)")
@@ -279,14 +280,17 @@ def run(args: argparse.Namespace, children: list[Child]) -> int:
         say("Redis: --no-redis, using the embedded in-memory store")
     draft_addr = f"127.0.0.1:{ports['draft_port']}"
     py = sys.executable
-    # --target-model is what layer-skip keeps layers of; other drafters ignore it.
+    # --target-model is what layer-skip keeps layers of; other drafters ignore it. NAME+ngram: the target looks up
+    # itself (no round trip for a copied block) and asks the draft server's NAME only where lookup finds nothing.
+    lookup = args.drafter.endswith("+ngram")
+    drafter = args.drafter.removesuffix("+ngram")
     draft = Child("draft server", [py, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft_port"]),
-                                   "--drafter", args.drafter, "--target-model", args.model, "--device", args.device],
+                                   "--drafter", drafter, "--target-model", args.model, "--device", args.device],
                   args.log_dir / "draft.log")
     target = Child("target server", [py, "-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["port"]),
                                      "--grpc-port", str(ports["grpc_port"]), "--model", args.model,
-                                     "--draft", draft_addr, "--draft-name", args.drafter, "--redis-url", redis_url,
-                                     "--tp", str(args.tp), "--device", args.device],
+                                     "--draft", draft_addr, "--draft-name", drafter, "--redis-url", redis_url,
+                                     "--tp", str(args.tp), "--device", args.device, *(["--lookup"] if lookup else [])],
                     args.log_dir / "target.log")
     # Both at once: the target's draft channel connects lazily, and loading the two models overlaps.
     for c in (draft, target):

@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=env("DRAFT_ADDR", ""),
                     help="draft server host:port; 'ngram' drafts in process; empty = no speculation")
     ap.add_argument("--draft-name", default=env("DRAFT_NAME", ""), help="the draft model's name, for the records")
+    ap.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=env("LOOKUP", "0") not in ("", "0"),
+                    help="prompt lookup in this process where the context repeats, the draft server only elsewhere "
+                         "(no round trip for a copied block) [SPECDEC_LOOKUP]")
     ap.add_argument("--draft-deadline-ms", type=float, default=float(env("DRAFT_DEADLINE_MS", 1000)))
     ap.add_argument("--draft-token", default=env("DRAFT_TOKEN") or None,
                     help="shared secret sent to the draft server (its --auth-token); prefer the env var")
@@ -138,6 +141,9 @@ async def _serve(args, lm, engine) -> int:
         drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000,
                                 token=args.draft_token, tls_ca=args.draft_tls_ca,
                                 target_model=getattr(lm, "model", None))   # hidden states for a block drafter
+        if args.lookup:
+            from specdec.draft.hybrid import HybridDrafter
+            drafter, draft_name = HybridDrafter(drafter), f"{draft_name}+ngram"
     store = open_store(args.redis_url or None, namespace=args.redis_namespace, ttl_s=args.state_ttl_s)
     metrics = Metrics(lm.name)
     metrics.store_round_trips.set_function(lambda: getattr(store, "round_trips", 0))

@@ -304,9 +304,9 @@ def test_served_block_drafter_gets_features_over_grpc(tiny, trained, tmp_path):
 
 
 def test_served_hybrid_answers_as_in_process(tiny, trained, tmp_path):
-    """block+ngram on the draft server: every answer equals the in-process hybrid's (lookup's copy where the last
-    tokens repeat, else the block drafter's block, whose feature cache is fed on every step, copied or not), and
-    greedy output through it equals plain decoding."""
+    """block+ngram on the draft server, and lookup in the target over a block draft server: every answer equals the
+    in-process hybrid's (lookup's copy where the last tokens repeat, else the block drafter's block, on features sent
+    over the wire), and greedy output through either equals plain decoding."""
     from specdec.draft.hybrid import HybridDrafter
     from specdec.draft.ngram import lookup
     from target_service.draft_client import RemoteDrafter
@@ -331,9 +331,21 @@ def test_served_hybrid_answers_as_in_process(tiny, trained, tmp_path):
         assert any(copied) and not all(copied)
         remote.release("s")
         prompts = [p * 2 for p in _prompts(96, 4)]            # repeats: both drafters answer
+        ref = _target_only(target, prompts, SamplingParams(), 20)
         outs = _spec(target, remote, prompts, SamplingParams(), 20, gamma=4)
         remote.features.untap()
-        assert [o.tokens for o in outs] == _target_only(target, prompts, SamplingParams(), 20)
-        assert sum(o.stats.accepted for o in outs) > 0
+        assert [o.tokens for o in outs] == ref and sum(o.stats.accepted for o in outs) > 0
+        # lookup in the target (target_service --lookup): the server is asked only where lookup finds nothing,
+        # its items catching up on what it missed; the same answers, and output
+        near = HybridDrafter(RemoteDrafter(f"127.0.0.1:{srv.port}", target.cfg.vocab_size, deadline_s=30,
+                                           target_model=target))
+        local = HybridDrafter(BlockDrafter(load_checkpoint(ckpt, target), target, tap=False))
+        for n in range(len(head), len(toks) + 1):
+            it = DraftItem("t", toks[:n] if n == len(head) else toks[n - 1:n], n, 4, context=toks[:n])
+            assert near.propose([it])[0].tokens == local.propose([it])[0].tokens, n
+        near.release("t")
+        outs = _spec(target, near, prompts, SamplingParams(), 20, gamma=4)
+        near.model.features.untap()
+        assert [o.tokens for o in outs] == ref and sum(o.stats.accepted for o in outs) > 0
     finally:
         srv.close()

@@ -128,10 +128,14 @@ def test_sparse_rows_dense():
 
 def test_hybrid_copies_where_the_context_repeats_and_drafts_elsewhere():
     """model+ngram: lookup's continuation where the last 2+ tokens occurred before, the model's block elsewhere;
-    the model sees every step (gamma 0 where lookup answered), so its later blocks are a fresh session's on the same
-    tokens: a request's drafts depend on its committed tokens alone (exact replay in rejection mode)."""
+    the model is not asked where lookup answered, and when it is next asked it catches up, so its blocks are a fresh
+    session's on the same tokens: a request's drafts depend on its committed tokens alone (exact replay in rejection
+    mode)."""
     draft = load("tiny-llama-draft").model
     d = make_drafter("tiny-llama-draft+ngram", dtype=torch.float64)
+    asked = []
+    ask = d.model.propose
+    d.model.propose = lambda items: asked.append([it.new_tokens for it in items]) or ask(items)
     assert d.name == "tiny-llama-draft+ngram" and d.vocab_size == 96
     seeded = SamplingParams(temperature=1.0, seed=3)
     toks = [5, 60, 7, 90, 3, 8]
@@ -149,5 +153,6 @@ def test_hybrid_copies_where_the_context_repeats_and_drafts_elsewhere():
             fresh = ModelDrafter(draft).propose([DraftItem("x", toks, len(toks), 3, seeded, Mode.REJECTION)])[0]
             assert got.tokens == fresh.tokens and torch.equal(got.q_dense(96), fresh.q_dense(96))
     assert copied == [True, False, True]
+    assert asked == [[toks[:6]], [toks[6:12]]]           # the first call, then the catch-up past the copied step
     d.release("r")
     assert "r" not in d.model.kv and "r" not in d.lookup.sessions.tokens

@@ -2,10 +2,11 @@
 continuation when the last `min_match` or more tokens occurred earlier in the context, else the model's block.
 
 The two win on different text (measured, README "The trained drafter"): copying code from its prompt, n-gram blocks
-are long and cheap; on chat they are rarely right and the trained block drafter is better. The model drafter still
-sees every item (its sessions and feature caches stay in sync) but drafts none where lookup answered: those items
-reach it with gamma 0. Greedy and coupled outputs never depend on the drafts; a rejection-sampled request's blocks
-depend only on its own committed tokens, so it replays exactly, whichever drafter answered.
+are long and cheap; on chat they are rarely right and the trained block drafter is better. The model drafter is not
+asked where lookup answered (behind a draft server that saves the round trip): when it is next asked, its item carries
+every token committed since it last saw the session. Greedy and coupled outputs never depend on the drafts; a
+rejection-sampled request's blocks depend only on its own committed tokens, so it replays exactly, whichever drafter
+answered.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class HybridDrafter(Drafter):
     def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3):
         self.model = model
         self.lookup = NgramDrafter(max_n=max(min_match, max_match), min_n=min_match)
+        self.seen: dict[str, int] = {}          # per session: the committed length the model drafter last saw
         self.name = f"{model.name}+ngram"
         self.feature_layers, self.feature_window = model.feature_layers, model.feature_window
 
@@ -32,13 +34,23 @@ class HybridDrafter(Drafter):
         return self.model.feature_width
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
-        copies = self.lookup.propose(items)
-        answers = self.model.propose([dataclasses.replace(it, gamma=0) if c is not None and c.tokens else it
-                                      for it, c in zip(items, copies)])
-        # a lost session on either side: None, so the caller resends the item with its context
-        return [None if c is None or a is None else c if c.tokens else a for c, a in zip(copies, answers)]
+        out: list[Proposal | None] = self.lookup.propose(items)   # None: lost, the caller resends with context
+        ask = [k for k, c in enumerate(out) if c is not None and not c.tokens]
+        sub = []
+        for k in ask:
+            it, toks = items[k], self.lookup.sessions.tokens[items[k].sid]
+            seen = min(self.seen.get(it.sid, 0), it.committed_len)
+            sub.append(dataclasses.replace(it, new_tokens=toks[seen:it.committed_len]))
+        for k, it, answer in zip(ask, sub, self.model.propose(sub) if sub else []):
+            out[k] = answer
+            if answer is None:
+                self.seen.pop(it.sid, None)
+            else:
+                self.seen[it.sid] = it.committed_len
+        return out
 
     def release(self, sid: str) -> None:
+        self.seen.pop(sid, None)
         self.lookup.release(sid)
         self.model.release(sid)
 
