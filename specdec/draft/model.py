@@ -154,10 +154,11 @@ class ModelDrafter(Drafter):
                     conf, q = torch.softmax(logits, -1)[x], None
                 else:    # a restricted head (restrict_vocab) drafts over ids 0..len(q)-1: coins for those only
                     q = probs(logits[None], it.params)[0]
-                    head = torch.arange(len(q)) if len(q) < self.vocab_size else None
+                    restricted = len(q) < self.vocab_size
+                    head = torch.arange(len(q), device=q.device) if restricted else None   # where q's coins go
                     x = draft_sample(q, it.mode, it.params.seed, pos, ids=head)
                     conf = q[x]
-                    if it.mode is Mode.REJECTION and len(q) < self.vocab_size:    # acceptance reads q: zero-padded
+                    if it.mode is Mode.REJECTION and restricted:    # acceptance reads q: zero-padded
                         q = F.pad(q, (0, self.vocab_size - len(q)))
                 conf = float(conf)
                 t, c, qs = drafts[it.sid]
