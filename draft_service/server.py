@@ -318,6 +318,9 @@ async def serve(args: argparse.Namespace) -> None:
     drafter = await compute.run(make_drafter_from_args, args)
     if stop.is_set():
         return
+    from specdec.draft import warm_up
+    ms = await compute.run(warm_up, drafter, _limits(drafter)[0])
+    print(f"draft server: warm-up {'failed' if ms is None else f'{ms:.0f} ms'}", flush=True)
     try:
         server, port = build_server(drafter, args.host, args.port, args.max_message_mb, auth_token=args.auth_token,
                                     tls_cert=args.tls_cert, tls_key=args.tls_key)

@@ -92,9 +92,9 @@ def dists_from_pb(ds, vocab_size: int) -> torch.Tensor | None:
 
 def proposal_to_pb(p: Proposal) -> pb.Proposal:
     return pb.Proposal(status=pb.Proposal.OK, anchor=p.anchor, tokens=p.tokens, confidence=p.confidence,
-                       q=dists_to_pb(p.q))
+                       q=dists_to_pb(p.q), copied=p.copied)
 
 
 def proposal_from_pb(m: pb.Proposal, vocab_size: int) -> Proposal:
     return Proposal(anchor=m.anchor, tokens=list(m.tokens), confidence=list(m.confidence),
-                    q=dists_from_pb(m.q, vocab_size))
+                    q=dists_from_pb(m.q, vocab_size), copied=m.copied)

@@ -144,6 +144,10 @@ async def _serve(args, lm, engine) -> int:
         if args.lookup:
             from specdec.draft.hybrid import HybridDrafter
             drafter, draft_name = HybridDrafter(drafter), f"{draft_name}+ngram"
+    if drafter is not None:
+        from specdec.draft import warm_up
+        ms = await compute.run(warm_up, drafter, engine.vocab_size)
+        log.info("drafter warm-up: %s", "failed (draft server not answering yet)" if ms is None else f"{ms:.0f} ms")
     store = open_store(args.redis_url or None, namespace=args.redis_namespace, ttl_s=args.state_ttl_s)
     metrics = Metrics(lm.name)
     metrics.store_round_trips.set_function(lambda: getattr(store, "round_trips", 0))

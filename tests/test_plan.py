@@ -95,7 +95,10 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     assert planner(reqs, props) == [1, 1, 7]
     for _ in range(planner.explore_every - 2):
         assert planner(reqs, props) == [1, 1, 7]
-    assert planner(reqs, props) == [2, 2, 7]        # every explore_every-th idle step verifies one draft
+    assert planner(reqs, props) == [2, 1, 7]        # every explore_every-th step, the longest idle verifies one
+    for _ in range(planner.explore_every - 1):
+        assert planner(reqs, props) == [1, 1, 7]
+    assert planner(reqs, props) == [1, 2, 7]        # one request a time: the calibration is shared
     for r in reqs:
         planner.alpha[r.rid] = 0.05                                 # a history of rejections
     planner.gamma(reqs[0]), planner.gamma(reqs[0])                 # "g" stopped drafting two steps before "c"
@@ -158,3 +161,53 @@ def test_planner_follows_measured_throughput_of_drafting_steps():
     for _ in range(60):
         planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=30.0, verify_ms=60.0)     # 16 tokens / 90 ms
     assert planner.draft_pays > 1.5 and planner.gamma(reqs[0]) == 4
+
+
+def test_copied_blocks_are_planned_apart_from_the_models():
+    """Prompt-lookup blocks (Proposal.copied) have their own calibration and teach the planner nothing about the model's
+    blocks (acceptance, drafting cost); a step of copies alone is planned with no drafting cost."""
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    cost = CostTable.linear(2.0, 3.0)
+    planner = CostPlanner(cost, fixed_ms=50.0, draft_ms_per_token=5.0)
+    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 50, Mode.GREEDY, 6) for i in range(2)]
+    copy, model = Proposal(1, [2] * 6, [1.0] * 6, copied=True), Proposal(1, [2] * 6, [0.95] * 6)
+    for _ in range(30):      # copies always accepted, the model's confident blocks never
+        planner.observe(reqs, [copy, copy], [7, 7], [6, 6], draft_ms=0.1, verify_ms=20.0)
+        planner.observe(reqs, [model, model], [7, 7], [0, 0], draft_ms=60.0, verify_ms=20.0)
+    assert planner.cal_copied.prob(1.0) > 0.95 and planner.cal.prob(0.95) < 0.2 and planner.cal.prob(1.0) < 0.2
+    assert max(planner.alpha.values()) < 0.01                       # the model's acceptance alone
+    assert planner.draft_ms > 9                                      # 60 ms / 6 tokens: copies cost no drafting
+    assert planner(reqs, [copy, model]) == [7, 1]
+    # copies alone: no drafting was paid this step, so the plan's fixed cost is 0 (a 50 ms one would verify more)
+    weak = Proposal(1, [2] * 6, [1.0] * 6, copied=True)
+    planner.cal_copied = Calibration()
+    planner.cal_copied.prob = lambda c: 0.45
+    probs = [[0.45] * 6] * 2
+    assert planner(reqs, [weak, weak]) == best_plan(probs, [7, 7], cost, 0.0) != best_plan(probs, [7, 7], cost, 50.0)
+
+
+def test_lookup_drafts_while_the_planner_keeps_the_model_off():
+    """A drafter that looks up first is asked every step at the full block length, whatever block the planner gives
+    its model: with the model's block at 0, copied blocks are still verified (output = plain decoding), and the model
+    is never asked."""
+    from specdec.draft.hybrid import HybridDrafter
+    target, draft = load("tiny-llama").model, load("tiny-llama-draft").model
+    prompts = [[1 + (i * 7 + k) % 9 for k in range(12)] for i in range(3)]      # repeats: lookup finds matches
+    ref = SpeculativeGenerator(Engine(target), None).generate([GenRequest(p, max_tokens=24) for p in prompts])
+
+    class ModelOff(CostPlanner):
+        def gamma(self, r):
+            return 0
+    hybrid = HybridDrafter(ModelDrafter(draft))
+    asked = []
+    ask = hybrid.model.propose
+    hybrid.model.propose = lambda items: asked.append(items) or ask(items)
+    planner = ModelOff(CostTable.linear(1.0, 0.01))
+    gen = SpeculativeGenerator(Engine(target), hybrid, gamma=4, plan=planner)
+    outs = gen.generate([GenRequest(p, max_tokens=24) for p in prompts])
+    assert [o.tokens for o in outs] == [o.tokens for o in ref]
+    assert not asked and sum(planner.cal_copied.tried) > 0 and sum(planner.cal.tried) == 0
+    assert any(v > 1 for info in gen.steps for v in info.verify_len)     # copied drafts were verified

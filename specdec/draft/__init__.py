@@ -1,5 +1,5 @@
 """Drafters: n-gram prompt lookup, a smaller model, or a subset of the target's own layers (layer-skip).
-All implement spec.propose.Drafter; `make_drafter` builds one from a CLI/config name."""
+All implement speculative.propose.Drafter; `make_drafter` builds one from a CLI/config name."""
 from __future__ import annotations
 
 import json
@@ -33,12 +33,19 @@ def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 1
         from .ngram import NgramDrafter
         return NgramDrafter()
     if name == "block":   # trained drafter on the target's hidden states (block or eagle kind, from its config)
+        import torch
+
+        from ..engine.registry import native_bf16
         from .block import BlockDrafter, load_checkpoint
         if target_model is None:
             raise ValueError("block needs the target model")
         checkpoint = checkpoint or shipped_checkpoint(target_model)
-        # in the target's dtype (bf16 for real models: 5.3 ms a 6-slot draft for SmolLM2 here, 13.9 in fp32)
-        return BlockDrafter(load_checkpoint(checkpoint, target_model, dtype=target_model.embed.weight.dtype),
+        # in the target's dtype where the CPU has bf16 (an AVX-512-bf16 EPYC: 5.3 ms a 6-slot draft for SmolLM2 in bf16,
+        # 13.9 in fp32), else in float32 (a Zen 3 EPYC: 12 ms in fp32, 20 in bf16)
+        dt = target_model.embed.weight.dtype
+        if dt == torch.bfloat16 and target_model.embed.weight.device.type == "cpu" and not native_bf16():
+            dt = torch.float32
+        return BlockDrafter(load_checkpoint(checkpoint, target_model, dtype=dt),
                             target_model, kv_tokens=kv_tokens, features=features)
     from .model import ModelDrafter, layer_skip, restrict_vocab
     if name == "layer-skip":
@@ -65,3 +72,30 @@ def shipped_checkpoint(target_model) -> str:
             return str(d.parent)
     raise SpecdecError("no trained block drafter ships for this target", field="draft_checkpoint",
                        remedy="train one (make train-drafter) and pass its directory with --draft-checkpoint")
+
+
+def warm_up(drafter: Drafter, vocab_size: int | None = None) -> float | None:
+    """One throwaway Propose before serving: the first real request otherwise pays the drafter's first-call costs
+    (kernel set-up, a draft server's connection, the target learning which layers to send and recomputing them).
+    Measured through `make run`'s stack on a Zen 3 EPYC: the first request's first Propose took 1.2 s, 7% of an
+    8-request benchmark. Returns the milliseconds it took, None if it failed (a draft server not up yet: requests
+    then decode plainly until it is, as after any outage)."""
+    import time
+
+    import torch
+
+    from ..speculative.propose import DraftItem
+    ctx = [1 + k % max(1, (vocab_size or 64) - 1) for k in range(16)]
+    width = drafter.feature_width
+    feats = torch.zeros(len(ctx) - 1, width) if width else None       # a draft server's drafter reads them
+    t = time.perf_counter()
+    try:
+        drafter.propose([DraftItem("warm-up", ctx, len(ctx), 4, context=ctx, features=feats)])
+        return (time.perf_counter() - t) * 1e3
+    except Exception:  # noqa: BLE001 - warming is an optimisation; serving does not depend on it
+        return None
+    finally:
+        try:
+            drafter.release("warm-up")
+        except Exception:  # noqa: BLE001
+            pass

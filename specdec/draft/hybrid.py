@@ -6,7 +6,8 @@ are long and cheap; on chat they are rarely right and the trained block drafter 
 asked where lookup answered (behind a draft server that saves the round trip): when it is next asked, its item carries
 every token committed since it last saw the session. Greedy and coupled outputs never depend on the drafts; a
 rejection-sampled request's blocks depend only on its own committed tokens, so it replays exactly, whichever drafter
-answered.
+answered. In a target (`--lookup`), lookup runs every step at the full block length, since a copy costs nothing; the
+planner's block length (DraftItem.model_gamma, possibly 0) applies to the model's blocks only.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from .ngram import NgramDrafter
 
 
 class HybridDrafter(Drafter):
+    looks_up = True
     def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3):
         self.model = model
         self.lookup = NgramDrafter(max_n=max(min_match, max_match), min_n=min_match)
@@ -35,12 +37,16 @@ class HybridDrafter(Drafter):
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
         out: list[Proposal | None] = self.lookup.propose(items)   # None: lost, the caller resends with context
-        ask = [k for k, c in enumerate(out) if c is not None and not c.tokens]
-        sub = []
-        for k in ask:
-            it, toks = items[k], self.lookup.sessions.tokens[items[k].sid]
+        sub, ask = [], []
+        for k, c in enumerate(out):
+            it = items[k]
+            gamma = it.gamma if it.model_gamma is None else min(it.gamma, it.model_gamma)
+            if c is None or c.tokens or gamma <= 0:       # lost, copied, or the planner wants no model block
+                continue
+            toks = self.lookup.sessions.tokens[it.sid]
             seen = min(self.seen.get(it.sid, 0), it.committed_len)
-            sub.append(dataclasses.replace(it, new_tokens=toks[seen:it.committed_len]))
+            sub.append(dataclasses.replace(it, new_tokens=toks[seen:it.committed_len], gamma=gamma, model_gamma=None))
+            ask.append(k)
         for k, it, answer in zip(ask, sub, self.model.propose(sub) if sub else []):
             out[k] = answer
             if answer is None:

@@ -22,6 +22,7 @@ def lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> lis
 
 class NgramDrafter(Drafter):
     name = "ngram"
+    looks_up = True
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         self.max_n, self.min_n, self.sessions = max_n, min_n, SessionTokens()
@@ -37,7 +38,8 @@ class NgramDrafter(Drafter):
             cont = lookup(toks, it.gamma, self.max_n, self.min_n)
             q = None if it.params.greedy else SparseRows(torch.tensor(cont, dtype=torch.long).reshape(-1, 1),
                                                          torch.ones(len(cont), 1, dtype=torch.float64))
-            out.append(Proposal(anchor=toks[-1], tokens=cont, confidence=[1.0] * len(cont), q=q))
+            out.append(Proposal(anchor=toks[-1], tokens=cont, confidence=[1.0] * len(cont), q=q,
+                                    copied=True))
         return out
 
     def release(self, sid: str) -> None:

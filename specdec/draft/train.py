@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..engine.registry import native_bf16
 from .block import BlockConfig, BlockDraftModel, default_layers, save_checkpoint
 
 
@@ -145,13 +146,6 @@ def _eval_prompts() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ data
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 bf16 or AMX). Without it bf16 GEMMs go through float32
-    conversions: on a 2-core AVX2 EPYC a SmolLM2 decode step of 64 sequences took 1,350 ms in bf16 (batch-invariant
-    engine) and 332 ms in float32 (fast engine), and a drafter training step under bf16 autocast 14 s (0.63 s without)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-
-
 SELF_EVERY = 3          # with self prompts: documents doc_id % 3 == 0 answer a template prompt, the others their own
 ASK_TEMP, MAX_ASK = 1.0, 64
 
@@ -182,6 +176,9 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
     from ..engine.registry import load
 
     # the batch-invariant engine gives the bits serving sees; without native bf16 the float32 fast engine is 4x faster
+    # without native bf16, data in float32 (2-core AVX2 EPYC: a SmolLM2 decode step of 64 sequences 1,350 ms in bf16
+    # with the batch-invariant engine, 332 ms in float32 with the fast one; a training step under bf16 autocast 14 s,
+    # 0.63 s without)
     fast = lm is None and dtype is None and not native_bf16()
     lm = lm or load(model, "float32" if fast else dtype)
     target = lm.model

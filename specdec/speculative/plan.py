@@ -13,6 +13,10 @@ the best choice is the R largest g_ij overall (each request gets a prefix); the 
 
 Adaptive gamma: each request's block length maximises E(gamma) / (1 + gamma * c) for its own acceptance history
 (EMA of per-token acceptance), E(gamma) = (1 - alpha^(gamma+1)) / (1 - alpha).
+
+Blocks copied from the context (prompt lookup, `Proposal.copied`) cost no drafting and are right far more often than a
+model's blocks on the text where they are found: they get their own calibration, and neither their acceptance nor
+their steps teach the planner anything about the model's blocks (adaptive gamma decides the model's block only).
 """
 from __future__ import annotations
 
@@ -175,6 +179,7 @@ class CostPlanner:
         self.cost, self.fixed_ms, self.draft_ms = cost, fixed_ms, draft_ms_per_token
         self.learn_costs = learn_costs
         self.adaptive_gamma, self.cal, self.ema = adaptive_gamma, calibration or Calibration(), ema
+        self.cal_copied = Calibration()       # copied blocks: P(accept) at each slot, apart from the model's
         self.alpha: dict[str, float] = {}
         self.alpha_prior = 0.5                # acceptance over all requests (slower smoothing): a new one's start
         self.idle: dict[str, int] = {}        # steps since a request last verified a draft
@@ -228,23 +233,29 @@ class CostPlanner:
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
         self.steps += 1
         caps = plan_full(reqs, props)                  # verifying everything is the most a request may verify
-        probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
-        vlen = best_plan(probs, caps, self.cost, self.fixed_ms, self.floors(reqs, caps))
-        if any(c > 1 for c in caps):
+        probs = [[(self.cal_copied if p.copied else self.cal).prob(c) for c in p.confidence] for p in props]
+        modelled = any(p.tokens and not p.copied for p in props)
+        # the drafting this step paid (the plan's fixed cost): none when every block was copied
+        vlen = best_plan(probs, caps, self.cost, self.fixed_ms if modelled else 0.0, self.floors(reqs, caps))
+        if modelled:
             ratio = expected_rate(probs, vlen, self.cost, self.fixed_ms) / (len(reqs) / self.cost(len(reqs)))
             self.predicted_pays = (1 - self.ema) * self.predicted_pays + self.ema * ratio
-        # Exploration: a request whose drafts have not been verified for `explore_every` steps verifies one, so the
-        # calibration keeps learning (a pessimistic start would otherwise never be corrected).
+        # Exploration: drafts left unverified for `explore_every` steps get one verified, so the calibration keeps
+        # learning (a pessimistic start would otherwise never be corrected); one request's (the longest idle) every
+        # `explore_every` steps, since the calibration is shared: one per request cost 5-7% of throughput at batch 8
+        # where a row costs nearly a decode (bf16 on an AVX2 CPU, measured), for no better a calibration.
         for i, (r, cap) in enumerate(zip(reqs, caps)):
             if r.rid in self.explore:
                 self.explore.discard(r.rid)
                 vlen[i] = max(vlen[i], min(cap, 2))
             if vlen[i] > 1 or cap < 2:
                 self.idle.pop(r.rid, None)
-                continue
-            self.idle[r.rid] = self.idle.get(r.rid, 0) + 1
-            if self.idle[r.rid] >= self.explore_every:
-                vlen[i], self.idle[r.rid] = 2, 0
+            else:
+                self.idle[r.rid] = self.idle.get(r.rid, 0) + 1
+        idle = [i for i, r in enumerate(reqs) if self.idle.get(r.rid, 0) >= self.explore_every]
+        if idle and self.steps % self.explore_every == 0:
+            i = max(idle, key=lambda k: self.idle[reqs[k].rid])
+            vlen[i], self.idle[reqs[i].rid] = 2, 0
         return vlen
 
     def forget(self, rid: str) -> None:
@@ -257,7 +268,7 @@ class CostPlanner:
                 draft_ms: float | None = None, verify_ms: float | None = None) -> None:
         if verify_ms is not None and self.learn_costs:
             self.cost.update(sum(vlen), verify_ms)
-        drafted = max((len(p.tokens) for p in props), default=0)
+        drafted = max((len(p.tokens) for p in props if not p.copied), default=0)   # by a model
         if draft_ms is not None and self.learn_costs and drafted:
             # drafting is paid every step whatever is verified: it is the plan's fixed cost (learned from steps that
             # drafted: one without drafts says nothing about a draft's cost)
@@ -271,6 +282,9 @@ class CostPlanner:
             self.realized[kind] = rate if prev is None else (1 - self.ema / 4) * prev + self.ema / 4 * rate
         for r, p, v, a in zip(reqs, props, vlen, accepted):
             if v <= 1:
+                continue
+            if p.copied:
+                self.cal_copied.observe(p.confidence[:v - 1], a)
                 continue
             self.cal.observe(p.confidence[:v - 1], a)
             # per-token acceptance of this step: a accepted out of a + (1 if a rejection happened)

@@ -32,6 +32,8 @@ class DraftItem:
     context: list[int] | None = None
     features: torch.Tensor | None = None   # target hidden-state rows of positions features_start.. (feature drafters)
     features_start: int = 0
+    model_gamma: int | None = None         # a drafter that looks up first (Drafter.looks_up): its model's block
+    #                                        where lookup finds nothing (0: none); None = gamma
 
 
 @dataclasses.dataclass
@@ -53,6 +55,8 @@ class Proposal:
     confidence: list[float]                # draft probability of each chosen token
     q: torch.Tensor | SparseRows | None = None  # exact draft distribution per slot (dense [k, V] or sparse);
     #                                             None for greedy requests, whose acceptance does not use it
+    copied: bool = False                   # from the context (prompt lookup): no model ran to draft it, so
+    #                                        the planner neither charges drafting for it nor mixes its acceptance in
 
     def __post_init__(self):
         assert len(self.tokens) == len(self.confidence)
@@ -73,6 +77,8 @@ class Drafter(abc.ABC):
     """Proposes draft blocks for many sessions at once and keeps each session in sync with what was committed."""
 
     name: str = "drafter"
+    looks_up: bool = False                 # copies from the context first, at no model cost: asked at full gamma
+    #                                        every step, its model part at DraftItem.model_gamma (drafter/hybrid.py)
     feature_layers: tuple[int, ...] = ()   # target layers whose hidden states the drafter reads (over the wire)
     feature_window: int = 0                # committed positions before the anchor it reads
 

@@ -117,9 +117,13 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     # 1. propose: one batched call; each request sends what was committed since its last call
     block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma), or skip them
     blocks = {r.rid: block(r) for r in reqs if r.gamma > 0}       # gamma 0: speculation off for this request
-    spec = [r for r in reqs if blocks.get(r.rid, 0) > 0]
-    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, blocks[r.rid], r.params, r.mode,
-                       context=r.committed) for r in spec]
+    # a drafter that copies from the context first is always asked (a copy costs nothing) at the full block length;
+    # the planner's length bounds its model's blocks
+    looks_up = getattr(drafter, "looks_up", False)
+    spec = [r for r in reqs if r.rid in blocks and (looks_up or blocks[r.rid] > 0)]
+    items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, r.gamma if looks_up else blocks[r.rid],
+                       r.params, r.mode, context=r.committed, model_gamma=blocks[r.rid] if looks_up else None)
+             for r in spec]
     answers: dict[str, Proposal | None] = {}
     draft_ok = True
     if drafter is not None and items:
