@@ -19,6 +19,7 @@ from .ngram import NgramDrafter
 
 class HybridDrafter(Drafter):
     looks_up = True
+
     def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3):
         self.model = model
         self.lookup = NgramDrafter(max_n=max(min_match, max_match), min_n=min_match)

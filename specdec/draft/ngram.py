@@ -38,8 +38,7 @@ class NgramDrafter(Drafter):
             cont = lookup(toks, it.gamma, self.max_n, self.min_n)
             q = None if it.params.greedy else SparseRows(torch.tensor(cont, dtype=torch.long).reshape(-1, 1),
                                                          torch.ones(len(cont), 1, dtype=torch.float64))
-            out.append(Proposal(anchor=toks[-1], tokens=cont, confidence=[1.0] * len(cont), q=q,
-                                    copied=True))
+            out.append(Proposal(anchor=toks[-1], tokens=cont, confidence=[1.0] * len(cont), q=q, copied=True))
         return out
 
     def release(self, sid: str) -> None:
