@@ -128,6 +128,7 @@ def _bearer(context) -> str | None:
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter, auth_token: str | None = None):
         self.drafter = drafter
+        self.drafter_ms = 0.0          # the last Propose's time in the drafter itself (debug log)
         self.vocab_size, self.max_len = _limits(drafter)
         self._lock = asyncio.Lock()        # one engine: torch forwards and session tables are not re-entrant
         self._token = _digest(auth_token) if auth_token else None
@@ -153,6 +154,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         return await asyncio.shield(task)
 
     def _propose(self, items: list[DraftItem]) -> list[pb.Proposal]:
+        t0 = time.perf_counter()
         try:
             answers = self.drafter.propose(items)
         except Exception:
@@ -161,6 +163,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             for it in items:
                 self.drafter.release(it.sid)
             raise
+        self.drafter_ms = (time.perf_counter() - t0) * 1e3
         return [pb.Proposal(status=pb.Proposal.NEED_CONTEXT) if a is None else wire.proposal_to_pb(a)
                 for a in answers]
 
@@ -194,7 +197,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         if failure is not None:
             await context.abort(*failure)
         lost = sum(p.status == pb.Proposal.NEED_CONTEXT for p in proposals)
-        log.debug("propose: %d items, %d need context, %.1f ms", len(items), lost, 1e3 * (time.perf_counter() - t0))
+        log.debug("propose: %d items, %d need context, %.1f ms (drafter %.1f ms)", len(items), lost,
+                  1e3 * (time.perf_counter() - t0), self.drafter_ms if items else 0.0)
         return pb.ProposeResponse(proposals=proposals, drafter=self.drafter.name,
                                   feature_layers=self.drafter.feature_layers,
                                   feature_window=self.drafter.feature_window)

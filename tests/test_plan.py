@@ -118,6 +118,44 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     assert "g" not in planner.alpha and "g" not in planner.undrafted
 
 
+def test_profile_rows_straddle_the_linear_tiles():
+    """The cost table is measured on both sides of each tile edge: past one, a forward makes another call per linear
+    (the cliff the planner must see), which interpolating between powers of two hides."""
+    from specdec.speculative.plan import profile_rows
+    assert profile_rows() == [1, 2, 4, 8, 16, 32, 64]
+    assert profile_rows(32) == [1, 2, 4, 8, 16, 32, 33, 64, 65]
+    assert {16, 17, 32, 33, 48, 49, 64, 65} <= set(profile_rows(16))
+
+
+def test_profile_cost_measures_the_engines_tile_edges():
+    from specdec.speculative.plan import profile_cost
+    eng = Engine(load("tiny-llama", "float64").model, kv_tokens=2048)
+    hi = eng.row_tiles.hi
+    t = profile_cost(eng, reps=1)
+    assert hi in t.rows and hi + 1 in t.rows and all(a <= b for a, b in zip(t.ms, t.ms[1:]))
+    assert Engine(load("tiny-llama", "float64").model, kv_tokens=256, batch_invariant=False).row_tiles is None
+
+
+def test_exploration_stays_off_a_tile_edge():
+    """A forced exploration row is skipped where it would cost more than the forward's rows do on average: at 32
+    requests on 32-row tiles a 33rd row costs a third of the step, for a draft the plan already judged not to pay."""
+    from specdec.speculative.plan import ServicePlanner
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    cost = CostTable([1, 8, 32, 33, 64], [30.0, 32.0, 49.0, 65.0, 91.0])     # a Xeon's SmolLM2 bf16 verify
+
+    def explored(batch: int) -> int:
+        planner = ServicePlanner(cost)
+        reqs = [SpecRequest(f"g{i}", [1], SamplingParams(), 50, Mode.GREEDY, 4) for i in range(batch)]
+        props = [Proposal(1, [2] * 4, [0.05] * 4) for _ in reqs]
+        return sum(sum(planner(reqs, props)) > batch for _ in range(4 * planner.explore_every))
+
+    assert explored(8) == 4           # below the edge: one exploration row every explore_every steps
+    assert explored(32) == 0          # at the edge: none
+
+
 def test_service_planner_plans_around_a_rejection_requests_rows():
     """A rejection-sampled request's whole block is in the forward whatever the plan, so the others are planned
     with its rows counted: here the verify cost is flat up to 8 rows and steep after, and a greedy request that
@@ -161,6 +199,48 @@ def test_planner_follows_measured_throughput_of_drafting_steps():
     for _ in range(60):
         planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=30.0, verify_ms=60.0)     # 16 tokens / 90 ms
     assert planner.draft_pays > 1.5 and planner.gamma(reqs[0]) == 4
+
+
+def test_one_lucky_drafting_step_does_not_keep_drafting_on():
+    """The measured rates are plain means over their first steps, then smoothed: with a slow EMA from the first step,
+    one lucky drafting step (every draft accepted) kept drafting on through ~20 losing steps (served, the first
+    drafting step had a batch of 1; the next 7, at 16 requests, lost)."""
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    planner = CostPlanner(CostTable.linear(0.0, 10.0), learn_costs=False)
+    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 50, Mode.GREEDY, 4) for i in range(4)]
+    drafts, none = [Proposal(1, [2] * 4, [0.9] * 4)] * 4, [Proposal(1, [], [])] * 4
+    planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)            # plain rate 1.0
+    planner.observe(reqs, drafts, [5] * 4, [4] * 4, draft_ms=30.0, verify_ms=60.0)         # lucky: 20 tokens / 90 ms
+    assert planner.draft_pays > 2
+    for _ in range(3):
+        planner.observe(reqs, drafts, [5] * 4, [0] * 4, draft_ms=30.0, verify_ms=60.0)     # then 4 tokens / 90 ms
+    assert planner.draft_pays < 1 and planner.gamma(reqs[0]) == 0
+
+
+def test_what_pays_at_batch_1_is_not_taken_for_batch_16():
+    """Drafting's measured rates are kept per batch size class: a batch-1 step that paid (verify rows nearly free)
+    does not keep 16 requests drafting, and the losing batch-16 steps do not stop drafting at batch 1."""
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    planner = CostPlanner(CostTable.linear(20.0, 1.0), learn_costs=False)
+    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 50, Mode.GREEDY, 4) for i in range(16)]
+    for r in reqs:
+        planner.alpha[r.rid] = 0.9
+    one, many = reqs[:1], reqs
+    d = lambda n, a: ([Proposal(1, [2] * 4, [0.9] * 4)] * n, [5] * n, [a] * n)
+    for _ in range(3):
+        planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)      # 1 token / 21 ms
+        planner.observe(one, *d(1, 3), draft_ms=2.0, verify_ms=25.0)                             # 4 tokens / 27 ms
+        planner.observe(many, [Proposal(1, [], [])] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=36.0)
+        planner.observe(many, *d(16, 1), draft_ms=25.0, verify_ms=100.0)                          # 32 tokens / 125 ms
+    assert planner.draft_pays < 1 and planner.gamma(reqs[0]) == 0       # the latest step had 16 requests
+    planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)
+    assert planner.draft_pays > 2 and planner.gamma(reqs[0]) == 4       # alone again: drafting pays
 
 
 def test_copied_blocks_are_planned_apart_from_the_models():

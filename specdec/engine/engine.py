@@ -101,11 +101,13 @@ class Engine(PagedSequences):
         self.compile_tiers = frozenset(compile_tiers)
         self._compiled = None
         self._eager = None
+        self.row_tiles = None       # the linears' row window (batch-invariant engines): the planner profiles its edges
         if batch_invariant:   # linears on the row counts where this BLAS gives a row the same bits (row_tiles.py)
             L = model.layers[0]
             tiles = probe_row_tiles([L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight,
                                      L.mlp.w_down.weight, model.embed.weight if model.lm_head is None
                                      else model.lm_head.weight])
+            self.row_tiles = tiles
             self._eager = (functools.partial(pre_attention, linear=tiles),
                            functools.partial(post_attention, linear=tiles), tiles)
         self.path_counts = {"compiled": 0, "eager": 0}

@@ -63,11 +63,24 @@ class CostTable:
         return cls([1, max_rows], [base_ms + per_row_ms, base_ms + per_row_ms * max_rows])
 
 
-def profile_cost(engine, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), context: int = 128,
-                 reps: int = 3) -> CostTable:
+def profile_rows(tile_rows: int | None = None, most: int = 64) -> list[int]:
+    """Row counts to profile: powers of two up to `most`, and both sides of every multiple of the engine's linear
+    tile (`RowTiles.hi`, engine/row_tiles.py). Past a multiple the forward makes one more call per linear, streaming
+    every weight once more: on a Sapphire Rapids Xeon with 32-row tiles a SmolLM2 verify took 49 ms at 32 rows and 71
+    at 40, where interpolating 32 and 64 rows said 60, and the planner thought a 33rd row nearly free."""
+    rows = {1 << k for k in range(most.bit_length()) if 1 << k <= most}
+    if tile_rows:
+        rows |= {n + d for n in range(tile_rows, most + 1, tile_rows) for d in (0, 1)}
+    return sorted(rows)
+
+
+def profile_cost(engine, rows: Sequence[int] | None = None, context: int = 128, reps: int = 3) -> CostTable:
     """Measure the engine's packed verify cost for each row count (rows spread over sequences of <= 9 rows, on a
-    cached context), median of `reps`."""
+    cached context), median of `reps`. Default rows: `profile_rows` at the engine's linear tiles."""
     from ..engine.layout import SeqInput
+    if rows is None:
+        tiles = getattr(engine, "row_tiles", None)
+        rows = profile_rows(tiles.hi if tiles is not None else None)
     out = []
     for n in rows:
         per = [min(9, n - 9 * k) for k in range(math.ceil(n / 9))]
@@ -189,15 +202,25 @@ class CostPlanner:
         self.steps = 0                        # steps planned so far (the exploration clock)
         # Does drafting pay for the batch as a whole (at large batches verify rows stop being nearly free)? Predicted:
         # the plans' expected tokens/ms (drafting included) over plain decoding's by the cost table. Realised: each
-        # step's tokens/ms over the table's plain rate, for steps that drafted and steps that did not (smoothed).
+        # step's tokens/ms over the table's plain rate, for steps that drafted and steps that did not (smoothed), per
+        # batch size class (what pays at batch 1 says nothing about batch 16).
         self.predicted_pays = 1.0
-        self.realized: dict[str, float] = {}
+        self.realized: dict[tuple[int, str], float] = {}
+        self.realized_n: dict[tuple[int, str], int] = {}
+        self.batch = 1                        # the latest step's batch: the class gamma() decides for
+
+    @staticmethod
+    def batch_class(B: int) -> int:
+        """1, 2, 3-4, 5-8, 9-16, ...: the measured rates are kept per class."""
+        return max(1, B).bit_length()
 
     @property
     def draft_pays(self) -> float:
-        """Tokens/ms with drafting over without: measured once both kinds of step have run, else predicted."""
-        if len(self.realized) == 2:
-            return self.realized["draft"] / max(1e-9, self.realized["plain"])
+        """Tokens/ms with drafting over without at the current batch size: measured once both kinds of step have run
+        at its class, else predicted."""
+        k = self.batch_class(self.batch)
+        if (k, "draft") in self.realized and (k, "plain") in self.realized:
+            return self.realized[k, "draft"] / max(1e-9, self.realized[k, "plain"])
         return self.predicted_pays
 
     def gamma(self, r) -> int:
@@ -232,6 +255,7 @@ class CostPlanner:
 
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
         self.steps += 1
+        self.batch = len(reqs)
         caps = plan_full(reqs, props)                  # verifying everything is the most a request may verify
         probs = [[(self.cal_copied if p.copied else self.cal).prob(c) for c in p.confidence] for p in props]
         modelled = any(p.tokens and not p.copied for p in props)
@@ -247,16 +271,24 @@ class CostPlanner:
         for i, (r, cap) in enumerate(zip(reqs, caps)):
             if r.rid in self.explore:
                 self.explore.discard(r.rid)
-                vlen[i] = max(vlen[i], min(cap, 2))
+                if self._cheap_row(sum(vlen)):
+                    vlen[i] = max(vlen[i], min(cap, 2))
             if vlen[i] > 1 or cap < 2:
                 self.idle.pop(r.rid, None)
             else:
                 self.idle[r.rid] = self.idle.get(r.rid, 0) + 1
         idle = [i for i, r in enumerate(reqs) if self.idle.get(r.rid, 0) >= self.explore_every]
-        if idle and self.steps % self.explore_every == 0:
+        if idle and self.steps % self.explore_every == 0 and self._cheap_row(sum(vlen)):
             i = max(idle, key=lambda k: self.idle[reqs[k].rid])
             vlen[i], self.idle[reqs[i].rid] = 2, 0
         return vlen
+
+    def _cheap_row(self, rows: int) -> bool:
+        """May exploration add a row to a forward of `rows`? Not where that row costs more than the forward's rows do
+        on average: past a linear tile's edge one row costs a third of a step (32 -> 33 rows on a Xeon: 49 -> ~65 ms),
+        so a batch of 32 exploring every 8 steps there would spend ~4% more time for drafts the plan already left
+        unverified (an estimate from the cost table)."""
+        return self.cost(rows + 1) - self.cost(rows) <= self.cost(rows) / max(1, rows)
 
     def forget(self, rid: str) -> None:
         """A finished request's acceptance history (a long-running service would otherwise keep every one)."""
@@ -275,11 +307,15 @@ class CostPlanner:
             self.fixed_ms = (1 - self.ema) * self.fixed_ms + self.ema * draft_ms
             self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
         if draft_ms is not None and verify_ms is not None and reqs:
-            B = len(reqs)
+            B = self.batch = len(reqs)
             rate = (B + sum(accepted)) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
-            kind = "draft" if drafted else "plain"
-            prev = self.realized.get(kind)   # slower smoothing: one step's tokens vary from 1 to gamma + 1
-            self.realized[kind] = rate if prev is None else (1 - self.ema / 4) * prev + self.ema / 4 * rate
+            key = (self.batch_class(B), "draft" if drafted else "plain")
+            # slower smoothing (one step's tokens vary from 1 to gamma + 1), but a plain mean over the first steps: an
+            # EMA from the first step kept that step's rate for ~20 steps (served chat at 32 concurrent requests: the
+            # first drafting step, at batch 1, paid; every request then drafted at batch 16 for 7 losing steps)
+            n = self.realized_n[key] = self.realized_n.get(key, 0) + 1
+            w = max(self.ema / 4, 1 / n)
+            self.realized[key] = (1 - w) * self.realized.get(key, 0.0) + w * rate
         for r, p, v, a in zip(reqs, props, vlen, accepted):
             if v <= 1:
                 continue
