@@ -263,3 +263,36 @@ def test_request_that_cannot_step_ends_alone_and_resumes(lm):
     # resumed: exactly the uninterrupted output
     assert resumed_rest["choices"][0]["text"] == lm.tokenizer.decode(want_rest)
     assert resumed_grpc == want_grpc
+
+
+def test_a_request_admitted_mid_flight_is_prefilled_in_the_step_forward(lm):
+    """A request admitted while another runs gets its context prefilled inside the next step's forward, packed with
+    the running request's verify rows (no forward of its own), and both outputs are still plain decoding's: a row's
+    bits do not depend on what it is packed with. Its neighbour's steps go on meanwhile."""
+    first = (LONG[2], SamplingParams())
+    second = ("tell me about the sea and the long winter nights", SamplingParams(temperature=0.9, seed=3))
+
+    async def run():
+        async with Stack(lm) as s:
+            mixed, prefills = [], []
+            real_prefill = s.engine._engine.prefill
+            s.engine.prefill = lambda *a, **k: (prefills.append(len(a[0])), real_prefill(*a, **k))[1]
+
+            def watch(inputs):
+                kinds = {i.logits for i in inputs}
+                if "none" in kinds and kinds - {"none"}:
+                    mixed.append(sum(len(i.tokens) for i in inputs if i.logits == "none"))
+                return False
+            s.engine.fail = watch
+            one = asyncio.create_task(s.http.post("/v1/completions", json={"prompt": first[0], "max_tokens": 60,
+                                                                           "temperature": 0}))
+            while s.sched.steps < 3:
+                await asyncio.sleep(0.005)
+            two = await s.http.post("/v1/completions", json={"prompt": second[0], "max_tokens": 30,
+                                                              "temperature": 0.9, "seed": 3})
+            return [(await one).json(), two.json()], mixed, prefills
+
+    outs, mixed, prefills = asyncio.run(run())
+    assert prefills == [1] and mixed == [len(lm.tokenizer.encode(second[0])) - 1]
+    for (p, sp, n), o in zip([(*first, 60), (*second, 30)], outs):
+        assert o["choices"][0]["text"] == lm.tokenizer.decode(plain(lm, lm.tokenizer.encode(p), sp, n)), o

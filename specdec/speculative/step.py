@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from ..engine.backend import TopKBackend
 from ..engine.engine import Engine
+from ..engine.layout import SeqInput
 from .accept import Mode, accept, accept_targets, plain_targets
 from .propose import DraftItem, Drafter, Proposal, SparseRows
 from .sampling import SamplingParams, probs
@@ -112,7 +113,9 @@ def usable(prop: Proposal | None, r: SpecRequest, vocab_size: int) -> Proposal:
 
 
 def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecRequest], *, layout: str = "compact",
-                     plan: Planner = plan_full) -> StepInfo:
+                     plan: Planner = plan_full, prefill: Sequence[SeqInput] = ()) -> StepInfo:
+    """One step for `reqs`. `prefill`: context rows of requests joining the batch, run in the same forward (a
+    separate forward per admission streamed every weight once more for a few rows)."""
     t0 = time.perf_counter()
     # 1. propose: one batched call; each request sends what was committed since its last call
     block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma), or skip them
@@ -143,9 +146,12 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     # 2. plan, 3. layout + verify
     vlen = plan(reqs, props)
     if isinstance(target, TopKBackend):   # SGLang: the target's token per row instead of p
+        if prefill:
+            raise ValueError("this backend scores rows remotely: prefill it apart")
         return _step_by_tokens(target, reqs, props, vlen, plan, draft_ok, t0, t1)
     logits, rows = verify(target, [VerifyItem(r.seq, r.committed_len - 1, r.committed[-1], p.tokens, v)
-                                   for r, p, v in zip(reqs, props, vlen)], layout, width=max(r.gamma for r in reqs) + 1)
+                                   for r, p, v in zip(reqs, props, vlen)], layout, width=max(r.gamma for r in reqs) + 1,
+                          prefill=prefill)
     t2 = time.perf_counter()
 
     # 4. accept, vectorised over the ragged batch
@@ -155,7 +161,7 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
         drafts = [pr.tokens[:v - 1] for pr, v in zip(props, vlen)]
         out = accept_targets([plain_targets(lg, r.params, r.committed_len, d)
                               for lg, r, d in zip(logits, reqs, drafts)], drafts)
-        return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2)
+        return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill))
     p = torch.cat([probs(lg, r.params) for lg, r in zip(logits, reqs)])
     dev = p.device                                   # acceptance runs where the logits are
     drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long, device=dev)
@@ -168,7 +174,7 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     cu_rows = torch.tensor([0] + vlen).cumsum(0)
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])
-    return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2)
+    return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill))
 
 
 def _step_by_tokens(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[int], plan, draft_ok: bool,
@@ -188,10 +194,11 @@ def _step_by_tokens(target, reqs: list[SpecRequest], props: list[Proposal], vlen
 
 
 def _commit(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[int], plan, out, draft_ok: bool,
-            rows: int, t0: float, t1: float, t2: float) -> StepInfo:
+            rows: int, t0: float, t1: float, t2: float, mixed: bool = False) -> StepInfo:
     if hasattr(plan, "observe"):  # online calibration: confidence -> acceptance, and the draft's cost
+        # a forward that also prefilled says nothing about what verifying costs
         plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3,
-                     verify_ms=(t2 - t1) * 1e3)
+                     verify_ms=None if mixed else (t2 - t1) * 1e3)
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
     for i, (r, v) in enumerate(zip(reqs, vlen)):

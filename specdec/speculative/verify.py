@@ -11,6 +11,7 @@ until the commit truncates it to what was accepted.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 
@@ -30,9 +31,10 @@ class VerifyItem:
     verify_len: int           # 1 .. len(drafts) + 1
 
 
-def verify(engine: Engine, items: list[VerifyItem], layout: str = "compact", width: int | None = None
-           ) -> tuple[list[torch.Tensor], int]:
-    """Target logits [verify_len_i, V] per item and the number of rows the forward ran."""
+def verify(engine: Engine, items: list[VerifyItem], layout: str = "compact", width: int | None = None,
+           prefill: Sequence[SeqInput] = ()) -> tuple[list[torch.Tensor], int]:
+    """Target logits [verify_len_i, V] per item and the number of rows the forward ran. `prefill`: other sequences'
+    context rows (no logits) packed into the same forward; a row's bits do not depend on what it is packed with."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown verify layout {layout!r}")
     inputs = []
@@ -44,5 +46,5 @@ def verify(engine: Engine, items: list[VerifyItem], layout: str = "compact", wid
             w = min(width or max(len(i.drafts) + 1 for i in items), engine.cfg.max_seq_len - it.anchor_pos)
             rows = ([it.anchor] + it.drafts + [PAD_TOKEN] * w)[:w]
         inputs.append(SeqInput(it.seq, rows, start=it.anchor_pos, logits="all"))
-    out = engine.forward(inputs)
+    out = engine.forward(inputs + list(prefill))
     return [out.rows(i)[:it.verify_len] for i, it in enumerate(items)], out.layout.tokens.numel()
