@@ -49,6 +49,19 @@ def test_calibration_learns():
     assert cal.prob(0.9) == pytest.approx(0.3, abs=0.05)
 
 
+def test_fading_calibration_follows_the_traffic():
+    """Copies accepted 20% of the time (chat) and then 90% (HumanEval): with fading counts the estimate follows within
+    a few hundred observations; counts kept for good stay near the old rate (what kept copies unverified)."""
+    rng = random.Random(1)
+    fading, kept = Calibration(decay=0.01), Calibration()
+    for rate in (0.2, 0.9):
+        for _ in range(1500 if rate == 0.2 else 300):
+            ok = int(rng.random() < rate)
+            for cal in (fading, kept):
+                cal.observe([0.95], ok)
+    assert fading.prob(0.95) == pytest.approx(0.9, abs=0.06) and kept.prob(0.95) < 0.4
+
+
 def test_cost_table_learns_online():
     t = CostTable([1, 2, 4, 8], [100.0, 200.0, 400.0, 800.0])     # profiled on a busy machine
     for _ in range(40):
