@@ -128,7 +128,6 @@ def _bearer(context) -> str | None:
 class DrafterServicer(pb_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter, auth_token: str | None = None):
         self.drafter = drafter
-        self.drafter_ms = 0.0          # the last Propose's time in the drafter itself (debug log)
         self.vocab_size, self.max_len = _limits(drafter)
         self._lock = asyncio.Lock()        # one engine: torch forwards and session tables are not re-entrant
         self._token = _digest(auth_token) if auth_token else None
@@ -153,7 +152,8 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         task.add_done_callback(lambda t: t.cancelled() or t.exception())   # an abandoned task's error is not news
         return await asyncio.shield(task)
 
-    def _propose(self, items: list[DraftItem]) -> list[pb.Proposal]:
+    def _propose(self, items: list[DraftItem]) -> tuple[list[pb.Proposal], float]:
+        """The answers, and the ms spent in the drafter itself (for the debug log)."""
         t0 = time.perf_counter()
         try:
             answers = self.drafter.propose(items)
@@ -163,9 +163,9 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             for it in items:
                 self.drafter.release(it.sid)
             raise
-        self.drafter_ms = (time.perf_counter() - t0) * 1e3
+        drafter_ms = (time.perf_counter() - t0) * 1e3
         return [pb.Proposal(status=pb.Proposal.NEED_CONTEXT) if a is None else wire.proposal_to_pb(a)
-                for a in answers]
+                for a in answers], drafter_ms
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         await self._auth(context)
@@ -182,10 +182,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         except InvalidRequest as e:
             log.info("propose refused: %s", e.field)       # the field only: messages may quote token ids
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        proposals, failure = [], None
+        proposals, failure, drafter_ms = [], None, 0.0
         if items:
             try:
-                proposals = await self._exclusive(self._propose, items)
+                proposals, drafter_ms = await self._exclusive(self._propose, items)
             except KVPoolExhausted as e:
                 log.warning("propose: draft KV pool exhausted (%d items)", len(items))
                 failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
@@ -198,7 +198,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
             await context.abort(*failure)
         lost = sum(p.status == pb.Proposal.NEED_CONTEXT for p in proposals)
         log.debug("propose: %d items, %d need context, %.1f ms (drafter %.1f ms)", len(items), lost,
-                  1e3 * (time.perf_counter() - t0), self.drafter_ms if items else 0.0)
+                  1e3 * (time.perf_counter() - t0), drafter_ms)
         return pb.ProposeResponse(proposals=proposals, drafter=self.drafter.name,
                                   feature_layers=self.drafter.feature_layers,
                                   feature_window=self.drafter.feature_window)

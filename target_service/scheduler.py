@@ -219,14 +219,19 @@ class Scheduler:
         self.running += admitted
         self._gauges()
 
+    def _contexts(self, jobs: list[Job]) -> list[tuple[int, list[int]]]:
+        """(sequence, context) of each job with one: every committed token but the anchor (prompt, plus the output of
+        a resumed request)."""
+        return [(j.req.seq, j.req.committed[:-1]) for j in jobs if j.req.committed_len > 1]
+
     def _prefill(self, jobs: list[Job]) -> None:
-        """KV for every committed token but the anchor (prompt, plus the output of a resumed request)."""
+        """New sequences for `jobs`, their contexts prefilled in forwards of their own."""
         for j in jobs:
             j.req.seq = self.engine.new_sequence()
         self._prefill_seqs(jobs)
 
     def _prefill_seqs(self, jobs: list[Job]) -> None:
-        pre = [(j.req.seq, j.req.committed[:-1]) for j in jobs if j.req.committed_len > 1]
+        pre = self._contexts(jobs)
         if pre:
             self.engine.prefill([s for s, _ in pre], [c for _, c in pre])
 
@@ -234,8 +239,7 @@ class Scheduler:
         """New sequences for `jobs` and their context rows, to pack into a step's forward."""
         for j in jobs:
             j.req.seq = self.engine.new_sequence()
-        return [SeqInput(j.req.seq, j.req.committed[:-1], start=0, logits="none") for j in jobs
-                if j.req.committed_len > 1]
+        return [SeqInput(s, c, start=0, logits="none") for s, c in self._contexts(jobs)]
 
     # -- the loop ---------------------------------------------------------------------------------------------------
     def start(self) -> None:
