@@ -109,7 +109,7 @@ def test_qdot_matches_its_reference(bits, dtype):
     wrong scale, is an error of order |ref|, which the same bound catches (checked on a rolled weight)."""
     from specdec.engine import kernels
     g = torch.Generator().manual_seed(2)
-    N, K = 200, 576 if bits == 4 else 352              # N: 12 blocks of 16 and a padded one; K/32 = 18, 11
+    N, K = 200, 576 if bits == 4 else 352              # N: 3 quads of 64 and a padded one; K/32 = 18, 11
     w = torch.randn(N, K, generator=g) * 0.02
     codes, scale, offset = Q.quantize_int4(w) if bits == 4 else Q.quantize_q8(w)
     lin = Q.QLinear.q(bits, codes, scale, offset, dtype=dtype)
@@ -145,7 +145,7 @@ def test_first_rows_is_the_heads_first_outputs_bitwise(kind):
     assert torch.equal(cut.mm(x), lin.mm(x)[:, :64])
     assert torch.equal(cut[torch.tensor([3, 63])], lin[torch.tensor([3, 63])])
     assert lin.first_rows(200) is lin
-    if kind != "int8":      # the blocked layout cuts only at whole blocks of 16 outputs
+    if kind != "int8":      # the packed layout cuts only at whole quads of 64 outputs
         with pytest.raises(ModelError, match="draft_vocab"):
             lin.first_rows(60)
 
@@ -179,7 +179,7 @@ def test_qdot_avx2_build_gives_the_same_bits(tmp_path, kind):
     save_file({"x": x, **lin.state_dict()}, str(tmp_path / "in.safetensors"))
     child = (f"import torch; from safetensors.torch import load_file, save_file; from specdec.engine import kernels\n"
              f"t = load_file({str(tmp_path / 'in.safetensors')!r})\n"
-             f"y = kernels.qdot(t['x'], t['qweight'], t['scales'], t['offsets'], {Q.BITS[kind]}, 200)\n"
+             f"y = kernels.qdot(t['x'], t['qweight'], {Q.BITS[kind]}, 200)\n"
              f"save_file({{'y': y}}, {str(tmp_path / 'out.safetensors')!r})\n")
     env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512f"}
     subprocess.run([sys.executable, "-c", child], env=env, check=True, timeout=600)

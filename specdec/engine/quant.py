@@ -49,7 +49,8 @@ MODES = ("none", "int8", "int4", "w8a8", "w4a8")
 BITS = {"q4": 4, "q8": 8}        # QLinear kinds computed by kernels.qdot
 GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
 QBLOCK = 16                      # q4 / q8: outputs per block of qdot.cpp's layout (one vector of lanes)
-CACHE_FORMAT = 7                 # bump when the cached layout changes
+QUAD = 4 * QBLOCK                # q4 / q8: outputs per quad (4 blocks whose records lie side by side)
+CACHE_FORMAT = 8                 # bump when the cached layout changes
 
 
 def check_mode(mode: str | None) -> str:
@@ -69,9 +70,9 @@ class QLinear(nn.Module):
                  bias: torch.Tensor | None = None, offsets: torch.Tensor | None = None, dtype=None):
         super().__init__()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
-        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q4 / q8: below
-        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4/q8: see q()
-        self.register_buffer("offsets", offsets)   # q4 / q8 only
+        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q4 / q8: q()
+        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4 / q8: None
+        self.register_buffer("offsets", offsets)   # None
         self.register_buffer("bias", bias)
         self._dtype = dtype or scales.dtype        # the activations' (model's) dtype
 
@@ -85,7 +86,7 @@ class QLinear(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.scales.device
+        return self.qweight.device
 
     @property
     def shape(self) -> torch.Size:
@@ -110,38 +111,37 @@ class QLinear(nn.Module):
     def q(cls, bits: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias=None,
           dtype=torch.bfloat16) -> "QLinear":
         """For kernels.qdot: codes uint8 [N, K] (0..15 or 0..255), scale/offset [N, K/32]: w = scale * q + offset.
-        Stored in qdot.cpp's blocked layout: outputs in blocks of 16 (N padded with zero weights), codes
-        [N/16, K/32, P, 64] with 64-byte rows of 16 outputs x 4 inputs (4-bit: rows 2p and 2p + 1 share row p as
-        low and high nibbles, P = 4; 8-bit: P = 8), scale and offset fp16 [N/16, K/32, 16]."""
+        Stored in qdot.cpp's layout: outputs in blocks of 16 and blocks in quads of 4 (N padded with zero weights);
+        a block's record for a group of 32 inputs is its codes, 64-byte rows of 16 outputs x 4 inputs (4-bit: rows
+        2p and 2p + 1 share row p as low and high nibbles, P = 4 rows; 8-bit: P = 8), then its 16 scales and 16
+        offsets in fp16; a quad's 4 records of a group lie side by side: uint8 [N/64, K/32, 4, P * 64 + 64]."""
         N, K = codes.shape
         if K % GROUP:
             raise ModelError(f"the int8-activation kernel needs in_features divisible by 32, not {K}", field="quant")
-        nb, ng = -(-N // QBLOCK), K // GROUP
-        pad = nb * QBLOCK - N
+        nq, ng = -(-N // QUAD), K // GROUP
+        pad = nq * QUAD - N
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale.float(), offset.float()))
-        c = codes.reshape(nb, QBLOCK, ng, 8, 4).permute(0, 2, 3, 1, 4)          # [block, group, row, output, 4]
+        c = codes.reshape(nq, 4, QBLOCK, ng, 8, 4).permute(0, 3, 1, 4, 2, 5)    # [quad, group, block, row, output, 4]
         if bits == 4:
-            c = c[:, :, 0::2] | (c[:, :, 1::2] << 4)
-        blocked = lambda t: t.reshape(nb, QBLOCK, ng).transpose(1, 2).to(torch.float16).contiguous()
-        return cls(f"q{bits}", N, K, c.reshape(nb, ng, -1, 64).contiguous(), blocked(scale),
-                   None if bias is None else bias.to(dtype), blocked(offset), dtype)
+            c = c[:, :, :, 0::2] | (c[:, :, :, 1::2] << 4)
+        halves = lambda t: t.reshape(nq, 4, QBLOCK, ng).permute(0, 3, 1, 2).to(torch.float16).contiguous()
+        rec = torch.cat([c.reshape(nq, ng, 4, -1), *(halves(t).view(torch.uint8) for t in (scale, offset))], dim=-1)
+        return cls(f"q{bits}", N, K, rec.contiguous(), None, None if bias is None else bias.to(dtype), None, dtype)
 
     @classmethod
     def empty(cls, kind: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> "QLinear":
         """Placeholder tensors of the right shapes (meta device), for loading a cached state dict."""
         N, K = out_features, in_features
         with torch.device("meta"):
-            off = None
             if kind == "int4":
                 qw, sc = torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(K // GROUP, N, 2, dtype=dtype)
             elif kind == "int8":
                 qw, sc = torch.empty(N, K, dtype=torch.int8), torch.empty(N, dtype=dtype)
             else:
-                nb = -(-N // QBLOCK)
-                qw = torch.empty(nb, K // GROUP, BITS[kind], 64, dtype=torch.uint8)   # P = 4 or 8 rows, as in q()
-                sc, off = (torch.empty(nb, K // GROUP, QBLOCK, dtype=torch.float16) for _ in range(2))
+                qw, sc = torch.empty(-(-N // QUAD), K // GROUP, 4, GROUP * QBLOCK * BITS[kind] // 8 + 64,
+                                     dtype=torch.uint8), None
             b = torch.empty(N, dtype=dtype) if bias else None
-        return cls(kind, N, K, qw, sc, b, off, dtype)
+        return cls(kind, N, K, qw, sc, b, None, dtype)
 
     def first_rows(self, n: int) -> "QLinear":
         """The first n outputs as a QLinear sharing this one's storage (a restricted draft head, draft/model.py).
@@ -150,12 +150,11 @@ class QLinear(nn.Module):
             return self
         if self.kind == "int8":
             parts = (self.qweight[:n], self.scales[:n], None)
-        elif self.kind in BITS and n % QBLOCK == 0:
-            b = n // QBLOCK
-            parts = (self.qweight[:b], self.scales[:b], self.offsets[:b])
+        elif self.kind in BITS and n % QUAD == 0:
+            parts = (self.qweight[:n // QUAD], None, None)
         else:
             raise ModelError(f"a {self.kind} weight cannot be cut to its first {n} rows", field="draft_vocab",
-                             remedy=f"use a multiple of {QBLOCK} (q4 / q8) or another --quant")
+                             remedy=f"use a multiple of {QUAD} (q4 / q8) or another --quant")
         bias = None if self.bias is None else self.bias[:n]
         return QLinear(self.kind, n, self.in_features, parts[0], parts[1], bias, parts[2], self._dtype)
 
@@ -164,7 +163,7 @@ class QLinear(nn.Module):
         if self.kind == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales)
         elif self.kind in BITS:
-            y = kernels.qdot(x, self.qweight, self.scales, self.offsets, BITS[self.kind], self.out_features)
+            y = kernels.qdot(x, self.qweight, BITS[self.kind], self.out_features)
         else:
             y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
@@ -189,21 +188,31 @@ class QLinear(nn.Module):
             return self._q_rows(rows).to(self.dtype)
         return self.dequantize()[rows].to(self.dtype)
 
+    def _q_parts(self, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q4 / q8: the packed records of these output blocks (all by default), by block: codes [blocks, groups, P,
+        16, 4] and the fp16 scale and offset [blocks, groups, 16]."""
+        nq, ng, _, rec = self.qweight.shape
+        recs = (self.qweight.transpose(1, 2).reshape(nq * 4, ng, rec) if blocks is None
+                else self.qweight[blocks // 4, :, blocks % 4])
+        half = lambda lo: recs[..., lo:lo + 32].contiguous().view(torch.float16)
+        return recs[..., :rec - 64].reshape(len(recs), ng, -1, QBLOCK, 4), half(rec - 64), half(rec - 32)
+
     def _q_rows(self, rows) -> torch.Tensor:
-        """float32 rows of a q4 / q8 weight: scale * code + offset per group, gathered from the blocked layout."""
+        """float32 rows of a q4 / q8 weight: scale * code + offset per group, gathered from the packed layout."""
         idx = rows if torch.is_tensor(rows) else torch.arange(self.out_features, device=self.qweight.device)[rows]
         flat = idx.reshape(-1)
-        blk, lane = flat // QBLOCK, flat % QBLOCK
-        q = self.qweight.view(*self.qweight.shape[:3], QBLOCK, 4)[blk, :, :, lane]     # [L, groups, P, 4]
+        each, lane = torch.arange(len(flat), device=flat.device), flat % QBLOCK
+        codes, scales, offsets = self._q_parts(flat // QBLOCK)     # the rows' blocks only (an embedding lookup)
+        q = codes[each, :, :, lane]                      # [L, groups, P, 4]
         if self.kind == "q4":      # packed row p: row 2p in the low nibble, row 2p + 1 in the high one
             q = torch.stack([q & 0x0F, q >> 4], dim=3)
         q = q.reshape(len(flat), -1, GROUP).float()
-        scale, offset = (t[blk, :, lane].float()[..., None] for t in (self.scales, self.offsets))
+        scale, offset = (t[each, :, lane].float()[..., None] for t in (scales, offsets))
         return (q * scale + offset).reshape(*idx.shape, self.in_features)
 
     def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
         """q4 / q8: the fp16 scale and offset [N, K/32] the kernel reads, back in output order."""
-        return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features] for t in (self.scales, self.offsets))
+        return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features] for t in self._q_parts()[1:])
 
     def extra_repr(self) -> str:
         return f"{self.kind}, in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -2,7 +2,7 @@
 system C++ compiler; -march=native, so the build is cached per CPU and source).
 
     from specdec.engine import kernels
-    y = kernels.qdot(x, codes, scale, offset, bits=4, n=N)   # qdot.cpp: 4/8-bit weights x int8 activations
+    y = kernels.qdot(x, packed, bits=4, n=N)                  # qdot.cpp: 4/8-bit weights x int8 activations
     y = kernels.rms_norm(x, w, eps)                          # layer_ops.cpp: a row's RMSNorm in one call, and
     kernels.attend(...), kernels.rope(...), kernels.write_kv(...)   # attention, rotary, KV writes (decode's small ops)
 
@@ -64,12 +64,11 @@ def _load() -> None:
                          remedy="install a C++ compiler (g++) and ninja, or use --quant int4 / int8") from None
 
 
-def qdot(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-         n: int) -> torch.Tensor:
-    """y [M, n] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g], in qdot.cpp's blocked
+def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """y [M, n] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g], in qdot.cpp's packed
     layout (quant.QLinear.q packs it); x's dtype in and out, float32 inside."""
     _load()
-    return torch.ops.specdec.qdot(x, codes, scale, offset, bits, n)
+    return torch.ops.specdec.qdot(x, packed, bits, n)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
