@@ -97,10 +97,11 @@ def _qlinear(kind: str, w: torch.Tensor, dtype=torch.bfloat16) -> Q.QLinear:
     return {"int4": lambda: Q.QLinear.int4(*Q.quantize_int4(w), dtype=dtype),
             "int8": lambda: Q.QLinear.int8(*Q.quantize_int8(w), dtype=dtype),
             "q4": lambda: Q.QLinear.q(4, *Q.quantize_int4(w), dtype=dtype),
+            "q6": lambda: Q.QLinear.q(6, *Q.quantize_q6(w), dtype=dtype),
             "q8": lambda: Q.QLinear.q(8, *Q.quantize_q8(w), dtype=dtype)}[kind]()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_qdot_matches_its_reference(bits, dtype):
     """Our int8-activation kernel (engine/kernels/qdot.cpp) against its float64 twin (same activation rounding, exact
@@ -111,7 +112,7 @@ def test_qdot_matches_its_reference(bits, dtype):
     g = torch.Generator().manual_seed(2)
     N, K = 200, 576 if bits == 4 else 352              # N: 3 quads of 64 and a padded one; K/32 = 18, 11
     w = torch.randn(N, K, generator=g) * 0.02
-    codes, scale, offset = Q.quantize_int4(w) if bits == 4 else Q.quantize_q8(w)
+    codes, scale, offset = {4: Q.quantize_int4, 6: Q.quantize_q6, 8: Q.quantize_q8}[bits](w)
     lin = Q.QLinear.q(bits, codes, scale, offset, dtype=dtype)
     s16, o16 = lin.group_params()                     # the fp16 scales the kernel reads
     x = torch.randn(9, K, generator=g)
@@ -133,7 +134,23 @@ def test_qdot_matches_its_reference(bits, dtype):
     assert ((xq * a[..., None]).reshape(x.shape) - x.float()).abs().le(a.repeat_interleave(32, 1) * 0.5001).all()
 
 
-@pytest.mark.parametrize("kind", ["int8", "q8", "q4"])
+def test_q6_holds_every_weight_within_half_a_step():
+    """The w4a8 head (q6): 64 levels between each group's min and max, and its packed codes (4 low bits as q4's, 2
+    rows of high bits) unpack to the quantizer's own: the dequantised weight is scale * code + offset exactly, within
+    half a step of the float weight (plus the fp16 rounding of the offset)."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(130, 96, generator=g) * 0.05
+    w[5, :32] = 0.3                                     # a constant group: every code 0, the offset its value
+    codes, scale, offset = Q.quantize_q6(w)
+    assert int(codes.max()) == 63 and int(codes.min()) == 0
+    lin = Q.QLinear.q(6, codes, scale, offset, dtype=torch.float32)
+    exact = (codes.float().reshape(130, 3, 32) * scale[..., None] + offset[..., None]).reshape(130, 96)
+    assert torch.equal(lin.dequantize(), exact)
+    step = scale.repeat_interleave(32, 1)
+    assert ((exact - w).abs() <= 0.5 * step + 2 ** -11 * offset.abs().repeat_interleave(32, 1) + 1e-7).all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "q8", "q6", "q4"])
 def test_first_rows_is_the_heads_first_outputs_bitwise(kind):
     """A restricted draft head (draft.model.restrict_vocab) is a view of the head's first rows, and each output of
     these kernels is computed on its own: the cut head gives exactly the full head's first outputs."""
@@ -150,7 +167,7 @@ def test_first_rows_is_the_heads_first_outputs_bitwise(kind):
             lin.first_rows(60)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "q8", "q4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "q8", "q6", "q4"])
 def test_packed_kernels_row_invariant(kind):
     """A row's output bits do not depend on how many rows share the call (the engine probes this at start-up)."""
     g = torch.Generator().manual_seed(1)
@@ -163,7 +180,7 @@ def test_packed_kernels_row_invariant(kind):
     assert probe_row_tiles([lin]) == RowTiles(1, 64)
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
 def test_qdot_avx2_build_gives_the_same_bits(tmp_path, kind):
     """A CPU without AVX-512 runs qdot.cpp's AVX2 path (two ymm for a vector of 16 outputs, maddubs for dpbusd): it
     computes the same exact int32 dots and the same float chain per output, so its bits are this machine's (on an

@@ -21,14 +21,15 @@ Where the weights come from (what is exact and what is requantized):
 - int8 (and the lm_head in int4 mode, which llama.cpp's Q4_K_M also keeps wider): dequantised to float32, then
   requantized per output row, scale = max|w| / 127. A GGUF block's own scale varies every 32 (or 16) inputs, so no
   GGUF type maps exactly onto one scale per row.
-- w4a8 ("q4" linears; the head "q8", which llama.cpp's Q4_K_M also keeps wider): codes and per-group scale and
+- w4a8 ("q4" linears; the head "q6", 6-bit as in llama.cpp's Q4_K_M files): codes and per-group scale and
   offset (w = scale * q + offset) in fp16. From Q4_0 / Q4_1 blocks the weights are the file's exactly (fp16 is the
   file's own scale type); from Q4_K, scale = d * sub-block scale is rounded to fp16 (11-bit mantissa; int4 mode's
-  bf16 has 8); other types are requantized per group (min/max, 16 levels; q8: max|w|/127 symmetric, 255 levels).
+  bf16 has 8); other types are requantized per group (min/max, 16 levels; q6: min/max, 64 levels; q8 (w8a8):
+  max|w|/127 symmetric, 255 levels).
   Activations are rounded to int8 per row and group of 32 (scale max|x|/127), as llama.cpp's Q8_0 does: an
   approximation of its own, measured against bf16 in benchmarks/quant_bench.py.
-The token embedding is an int8 table too (QEmbedding, per-row scale, like the head): a tied model's is the head's own
-table, an untied model's is requantized from its embedding.
+The token embedding is a quantized table too (QEmbedding): a tied model's is the head's own table, an untied model's is
+read from its GGUF's 4-bit blocks or requantized to int8 per row.
 """
 from __future__ import annotations
 
@@ -46,11 +47,11 @@ from ..errors import ModelError
 from . import kernels
 
 MODES = ("none", "int8", "int4", "w8a8", "w4a8")
-BITS = {"q4": 4, "q8": 8}        # QLinear kinds computed by kernels.qdot
+BITS = {"q4": 4, "q6": 6, "q8": 8}   # QLinear kinds computed by kernels.qdot
 GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
-QBLOCK = 16                      # q4 / q8: outputs per block of qdot.cpp's layout (one vector of lanes)
-QUAD = 4 * QBLOCK                # q4 / q8: outputs per quad (4 blocks whose records lie side by side)
-CACHE_FORMAT = 8                 # bump when the cached layout changes
+QBLOCK = 16                      # q4 / q6 / q8: outputs per block of qdot.cpp's layout (one vector of lanes)
+QUAD = 4 * QBLOCK                # q4 / q6 / q8: outputs per quad (4 blocks whose records lie side by side)
+CACHE_FORMAT = 9                 # bump when the cached layout changes
 
 
 def check_mode(mode: str | None) -> str:
@@ -70,8 +71,8 @@ class QLinear(nn.Module):
                  bias: torch.Tensor | None = None, offsets: torch.Tensor | None = None, dtype=None):
         super().__init__()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
-        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q4 / q8: q()
-        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4 / q8: None
+        self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q*: q()
+        self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4 / q6 / q8: None
         self.register_buffer("offsets", offsets)   # None
         self.register_buffer("bias", bias)
         self._dtype = dtype or scales.dtype        # the activations' (model's) dtype
@@ -113,8 +114,9 @@ class QLinear(nn.Module):
         """For kernels.qdot: codes uint8 [N, K] (0..15 or 0..255), scale/offset [N, K/32]: w = scale * q + offset.
         Stored in qdot.cpp's layout: outputs in blocks of 16 and blocks in quads of 4 (N padded with zero weights);
         a block's record for a group of 32 inputs is its codes, 64-byte rows of 16 outputs x 4 inputs (4-bit: rows
-        2p and 2p + 1 share row p as low and high nibbles, P = 4 rows; 8-bit: P = 8), then its 16 scales and 16
-        offsets in fp16; a quad's 4 records of a group lie side by side: uint8 [N/64, K/32, 4, P * 64 + 64]."""
+        2p and 2p + 1 share row p as low and high nibbles, P = 4 rows; 6-bit: those 4 rows of the low 4 bits and 2
+        rows of the high 2, P = 6; 8-bit: P = 8), then its 16 scales and 16 offsets in fp16; a quad's 4 records of
+        a group lie side by side: uint8 [N/64, K/32, 4, P * 64 + 64]."""
         N, K = codes.shape
         if K % GROUP:
             raise ModelError(f"the int8-activation kernel needs in_features divisible by 32, not {K}", field="quant")
@@ -122,8 +124,12 @@ class QLinear(nn.Module):
         pad = nq * QUAD - N
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale.float(), offset.float()))
         c = codes.reshape(nq, 4, QBLOCK, ng, 8, 4).permute(0, 3, 1, 4, 2, 5)    # [quad, group, block, row, output, 4]
-        if bits == 4:
-            c = c[:, :, :, 0::2] | (c[:, :, :, 1::2] << 4)
+        if bits < 8:               # 6-bit: the low 4 bits so, then 2 rows of high bits (row 4h + s at bits 2s, 2s + 1)
+            lo, hi = c & 0x0F, c >> 4
+            c = lo[:, :, :, 0::2] | (lo[:, :, :, 1::2] << 4)
+            if bits == 6:
+                tops = sum(hi[:, :, :, s::4] << (2 * s) for s in range(4))
+                c = torch.cat([c, tops.to(torch.uint8)], dim=3)
         halves = lambda t: t.reshape(nq, 4, QBLOCK, ng).permute(0, 3, 1, 2).to(torch.float16).contiguous()
         rec = torch.cat([c.reshape(nq, ng, 4, -1), *(halves(t).view(torch.uint8) for t in (scale, offset))], dim=-1)
         return cls(f"q{bits}", N, K, rec.contiguous(), None, None if bias is None else bias.to(dtype), None, dtype)
@@ -145,7 +151,7 @@ class QLinear(nn.Module):
 
     def first_rows(self, n: int) -> "QLinear":
         """The first n outputs as a QLinear sharing this one's storage (a restricted draft head, draft/model.py).
-        q4 / q8 need n a multiple of 16 (whole blocks of the layout); the CPU int4 pack has no row slices."""
+        q4 / q6 / q8 need n a multiple of 64 (whole quads of the layout); the CPU int4 pack has no row slices."""
         if n >= self.out_features:
             return self
         if self.kind == "int8":
@@ -154,7 +160,7 @@ class QLinear(nn.Module):
             parts = (self.qweight[:n // QUAD], None, None)
         else:
             raise ModelError(f"a {self.kind} weight cannot be cut to its first {n} rows", field="draft_vocab",
-                             remedy=f"use a multiple of {QUAD} (q4 / q8) or another --quant")
+                             remedy=f"use a multiple of {QUAD} (q4 / q6 / q8) or another --quant")
         bias = None if self.bias is None else self.bias[:n]
         return QLinear(self.kind, n, self.in_features, parts[0], parts[1], bias, parts[2], self._dtype)
 
@@ -189,8 +195,8 @@ class QLinear(nn.Module):
         return self.dequantize()[rows].to(self.dtype)
 
     def _q_parts(self, blocks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q4 / q8: the packed records of these output blocks (all by default), by block: codes [blocks, groups, P,
-        16, 4] and the fp16 scale and offset [blocks, groups, 16]."""
+        """q4 / q6 / q8: the packed records of these output blocks (all by default), by block: codes [blocks, groups,
+        P, 16, 4] and the fp16 scale and offset [blocks, groups, 16]."""
         nq, ng, _, rec = self.qweight.shape
         recs = (self.qweight.transpose(1, 2).reshape(nq * 4, ng, rec) if blocks is None
                 else self.qweight[blocks // 4, :, blocks % 4])
@@ -198,20 +204,24 @@ class QLinear(nn.Module):
         return recs[..., :rec - 64].reshape(len(recs), ng, -1, QBLOCK, 4), half(rec - 64), half(rec - 32)
 
     def _q_rows(self, rows) -> torch.Tensor:
-        """float32 rows of a q4 / q8 weight: scale * code + offset per group, gathered from the packed layout."""
+        """float32 rows of a q4 / q6 / q8 weight: scale * code + offset per group, gathered from the packed layout."""
         idx = rows if torch.is_tensor(rows) else torch.arange(self.out_features, device=self.qweight.device)[rows]
         flat = idx.reshape(-1)
         each, lane = torch.arange(len(flat), device=flat.device), flat % QBLOCK
         codes, scales, offsets = self._q_parts(flat // QBLOCK)     # the rows' blocks only (an embedding lookup)
         q = codes[each, :, :, lane]                      # [L, groups, P, 4]
-        if self.kind == "q4":      # packed row p: row 2p in the low nibble, row 2p + 1 in the high one
-            q = torch.stack([q & 0x0F, q >> 4], dim=3)
+        if self.kind != "q8":      # packed row p: row 2p in the low nibble, row 2p + 1 in the high one
+            lo = torch.stack([q[:, :, :4] & 0x0F, q[:, :, :4] >> 4], dim=3).reshape(len(flat), -1, 8, 4)
+            if self.kind == "q6":  # then row 4h + s's high bits at bits 2s, 2s + 1 of row 4 + h
+                hi = torch.stack([(q[:, :, 4:] >> (2 * s)) & 3 for s in range(4)], dim=3).reshape(lo.shape)
+                lo = lo | (hi << 4)
+            q = lo
         q = q.reshape(len(flat), -1, GROUP).float()
         scale, offset = (t[each, :, lane].float()[..., None] for t in (scales, offsets))
         return (q * scale + offset).reshape(*idx.shape, self.in_features)
 
     def group_params(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """q4 / q8: the fp16 scale and offset [N, K/32] the kernel reads, back in output order."""
+        """q4 / q6 / q8: the fp16 scale and offset [N, K/32] the kernel reads, back in output order."""
         return tuple(t.transpose(1, 2).reshape(-1, t.shape[1])[:self.out_features] for t in self._q_parts()[1:])
 
     def extra_repr(self) -> str:
@@ -369,9 +379,10 @@ def _gguf_parts(name: str, tied: bool) -> list[str]:
 
 
 def _kind(mode: str, name: str) -> str:
-    """The linear kind of `name` in `mode`: the output head keeps 8 bits in the 4-bit modes."""
+    """The linear kind of `name` in `mode`: the output head keeps 8 bits in int4, 6 in w4a8 (llama.cpp's Q4_K_M files
+    hold it in Q6_K)."""
     if mode in ("w8a8", "w4a8"):
-        return "q8" if mode == "w8a8" or name == "lm_head" else "q4"
+        return "q8" if mode == "w8a8" else "q6" if name == "lm_head" else "q4"
     return "int8" if mode == "int8" or name == "lm_head" else "int4"
 
 
@@ -423,11 +434,25 @@ def quantize_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return codes, scale, -128 * scale
 
 
+def quantize_q6(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max per group of 32, 64 levels, with the scale and offset qdot reads (fp16): codes uint8 [N, K]
+    in 0..63, scale and offset float32 [N, K/32]. Every weight within half a step of its group's grid (a Q6_K
+    file's own scales vary every 16 inputs, so its weights are requantized)."""
+    N, K = w.shape
+    g = w.float().reshape(N, K // GROUP, GROUP)
+    lo = g.amin(-1).to(torch.float16).float()
+    scale = ((g.amax(-1) - lo) / 63).to(torch.float16).float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((g - lo[..., None]) / safe[..., None]).round().clamp(0, 63).to(torch.uint8).reshape(N, K)
+    return codes, scale, lo
+
+
 def _quantize_one(kind, w, bias, gguf_tensors, cfg, dtype) -> QLinear:
     if kind == "int8":
         return QLinear.int8(*quantize_int8(w.float()), bias=bias, dtype=dtype)
-    if kind == "q8":
-        return QLinear.q(8, *quantize_q8(w.float()), bias=bias, dtype=dtype)
+    if kind in ("q6", "q8"):
+        quantize = quantize_q6 if kind == "q6" else quantize_q8
+        return QLinear.q(BITS[kind], *quantize(w.float()), bias=bias, dtype=dtype)
     pieces, start = [], 0
     for t in gguf_tensors or [None]:
         n = w.shape[0] if t is None else int(t.shape[-1])

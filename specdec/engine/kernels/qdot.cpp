@@ -1,20 +1,21 @@
-// Quantized linear y = x W^T with 4- or 8-bit weight codes and int8 activations, llama.cpp's Q4 x Q8 scheme:
+// Quantized linear y = x W^T with 4-, 6- or 8-bit weight codes and int8 activations, llama.cpp's Q4 x Q8 scheme:
 // every group of 32 inputs has a weight scale s and offset o per output (w = s * q + o) and, per row, an activation
 // scale a (x ~ a * xq, xq in -127..127, rounded inside the call). Per output n and row m, in this order:
 //     y = 0;  for g = 0, 1, ...:  y = fma(float(dot(q[n,g], xq[m,g])), a[m,g] * s[n,g], y);
 //                                  y = fma(o[n,g], a[m,g] * sum(xq[m,g]), y)
-// The dot of codes (0..15 or 0..255, unsigned) with int8 activations is exact in int32 (VNNI dpbusd, or AVX2's
-// maddubs, which cannot saturate on 4-bit codes), and every output's float chain is the one above whatever the
+// The dot of codes (0..15, 0..63 or 0..255, unsigned) with int8 activations is exact in int32 (VNNI dpbusd, or AVX2's
+// maddubs, which cannot saturate on 4- or 6-bit codes), and every output's float chain is the one above whatever the
 // number of rows, tiles or threads: a row's output bits do not depend on its neighbours (batch invariance, issue F).
 //
 // Layout: outputs in blocks of 16, the vector width, so one vector holds 16 outputs and the float chain of each
 // output is a lane (no horizontal sums). A block's record for one group of 32 inputs: its codes, P rows of 64 bytes =
 // 16 outputs x 4 consecutive inputs (VNNI's "4 bytes a lane"; 8 such rows cover the group; 8-bit: P = 8; 4-bit:
 // P = 4, byte r of packed row p holds row 2p in the low nibble and row 2p + 1 in the high one, so one load, a mask
-// and a shift give two rows), then its 16 scales and 16 offsets in fp16. Blocks come in quads (64 outputs) whose
-// four records of a group lie side by side: packed [N/64, K/32, 4, P * 64 + 64]. A one-row product reads a thread's
-// share of the weights as one forward stream, codes and scales together: on a 2-core EPYC (Zen 4) a Qwen 1.5B step's
-// matmuls took 11% less time than with codes, scales and offsets in three arrays (12 streams a thread; those short
+// and a shift give two rows; 6-bit: P = 6, the low 4 bits as 4-bit codes, then two rows of the 2 high bits), then
+// its 16 scales and 16 offsets in fp16. Blocks come in quads (64 outputs) whose four records of a group lie side by
+// side: packed [N/64, K/32, 4, P * 64 + 64]. A one-row product reads a thread's share of the weights as one forward
+// stream, codes and scales together: on a 2-core EPYC (Zen 4) a Qwen 1.5B step's matmuls took 1.06-1.46x as long
+// (1 to 16 rows) with codes, scales and offsets in three arrays (12 streams a thread for one row; the short
 // streams of scales never got the hardware prefetcher going). An activation's 4 bytes are broadcast to every lane,
 // so a group's dot for 16 outputs is 8 dpbusd.
 // Tiles: a quad's 4 blocks side by side for up to WIDE rows (4 x 4 accumulators fill AVX-512's 32 registers), each
@@ -56,6 +57,13 @@ inline VF halfs(const at::Half* p) {
 }
 inline VF fset(float f) { return {_mm512_set1_ps(f)}; }
 inline VF fzero() { return {_mm512_setzero_ps()}; }
+inline VI ior(VI a, VI b) { return {_mm512_or_si512(a.v, b.v)}; }
+template <int S>   // bits 2S, 2S + 1 of each byte moved to bits 4, 5 (a 6-bit code's high bits), the rest zero
+inline VI top2(VI h) {
+  const __m512i m = _mm512_set1_epi8(0x30);
+  if constexpr (S <= 2) return {_mm512_and_si512(_mm512_slli_epi16(h.v, 4 - 2 * S), m)};
+  else return {_mm512_and_si512(_mm512_srli_epi16(h.v, 2 * S - 4), m)};
+}
 inline VF fmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline VF ffma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline void fstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
@@ -82,7 +90,7 @@ inline __m256i dot4_half(__m256i c, __m256i x) {   // maddubs pairs, then pairs 
 }
 template <int BITS>
 inline __m256i dot4_one(__m256i acc, __m256i c, __m256i x) {
-  if constexpr (BITS == 4) return _mm256_add_epi32(acc, dot4_half(c, x));
+  if constexpr (BITS <= 6) return _mm256_add_epi32(acc, dot4_half(c, x));   // 63 * 127 * 2 fits int16
   // 8-bit codes would saturate maddubs' int16 pairs (255 * 127 * 2): split them into nibbles, 16 * hi + lo
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_slli_epi32(dot4_half(hi4(c), x), 4), dot4_half(lo4(c), x)));
 }
@@ -98,12 +106,22 @@ inline VF halfs(const at::Half* p) {
 }
 inline VF fset(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
 inline VF fzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline VI ior(VI a, VI b) { return {_mm256_or_si256(a.l, b.l), _mm256_or_si256(a.h, b.h)}; }
+template <int S>
+inline __m256i top2_half(__m256i h) {
+  const __m256i m = _mm256_set1_epi8(0x30);
+  if constexpr (S <= 2) return _mm256_and_si256(_mm256_slli_epi16(h, 4 - 2 * S), m);
+  else return _mm256_and_si256(_mm256_srli_epi16(h, 2 * S - 4), m);
+}
+template <int S>
+inline VI top2(VI h) { return {top2_half<S>(h.l), top2_half<S>(h.h)}; }
 inline VF fmul(VF a, VF b) { return {_mm256_mul_ps(a.l, b.l), _mm256_mul_ps(a.h, b.h)}; }
 inline VF ffma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.l, b.l, c.l), _mm256_fmadd_ps(a.h, b.h, c.h)}; }
 inline void fstore(float* p, VF a) { _mm256_storeu_ps(p, a.l); _mm256_storeu_ps(p + 8, a.h); }
 #endif
 
-// The 8 rows of 16 x 4 codes of one block's group.
+// The 8 rows of 16 x 4 codes of one block's group. 6-bit codes: their low 4 bits as 4-bit codes, then 2 rows of
+// high bits, bits 2s, 2s + 1 of row h's byte being the high bits of row 4h + s.
 template <int BITS>
 inline void unpack(const uint8_t* p, VI c[8]) {
   if constexpr (BITS == 8) {
@@ -112,6 +130,16 @@ inline void unpack(const uint8_t* p, VI c[8]) {
   } else {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) nibbles(load64(p + 64 * i), c[2 * i], c[2 * i + 1]);
+    if constexpr (BITS == 6) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const VI hv = load64(p + 256 + 64 * h);
+        c[4 * h] = ior(c[4 * h], top2<0>(hv));
+        c[4 * h + 1] = ior(c[4 * h + 1], top2<1>(hv));
+        c[4 * h + 2] = ior(c[4 * h + 2], top2<2>(hv));
+        c[4 * h + 3] = ior(c[4 * h + 3], top2<3>(hv));
+      }
+    }
   }
 }
 
@@ -223,10 +251,10 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float
 }
 
 at::Tensor qdot(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int64_t N) {
-  TORCH_CHECK(bits == 4 || bits == 8, "qdot: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "qdot: bits must be 4, 6 or 8");
   TORCH_CHECK(x.dim() == 2, "qdot: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1), n_quads = (N + Q * B - 1) / (Q * B);
-  TORCH_CHECK(K % G == 0 && packed.numel() == n_quads * K / G * Q * (bits == 4 ? REC<4> : REC<8>),
+  TORCH_CHECK(K % G == 0 && packed.numel() == n_quads * K / G * Q * (bits == 4 ? REC<4> : bits == 6 ? REC<6> : REC<8>),
               "qdot: K must be a multiple of 32 and the weights [N/64, K/32, 4, record]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "qdot: packed weights contiguous uint8");
   // one scratch allocation (a and asum, then xq) and the output in x's dtype: a small model makes ~120 of these
@@ -240,8 +268,8 @@ at::Tensor qdot(const at::Tensor& x, const at::Tensor& packed, int64_t bits, int
   at::Tensor y = at::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qdot", [&] {
     quantize_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, K, xq, a, asum);
-    (bits == 4 ? run<4, scalar_t> : run<8, scalar_t>)(packed.data_ptr<uint8_t>(), xq, a, asum, M, N, K,
-                                                      y.data_ptr<scalar_t>());
+    (bits == 4 ? run<4, scalar_t> : bits == 6 ? run<6, scalar_t> : run<8, scalar_t>)(
+        packed.data_ptr<uint8_t>(), xq, a, asum, M, N, K, y.data_ptr<scalar_t>());
   });
   return y;
 }
