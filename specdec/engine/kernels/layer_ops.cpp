@@ -82,6 +82,8 @@ inline void dot8x4(const float* a, const float* const b[4], int64_t n, float* ou
     out[k] = ((acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3])) + ((acc[k][4] + acc[k][5]) + (acc[k][6] + acc[k][7]));
 }
 
+constexpr int64_t PF = 8;   // keys ahead to prefetch
+
 template <typename T>
 void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const float* k, const float* v, int64_t Hkv,
                  const int64_t* rows, const int64_t* slots, const int64_t* lens, int64_t Sm, int64_t m, int64_t Lp,
@@ -100,6 +102,9 @@ void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const floa
       for (; j + 4 <= L; j += 4) {
         const float* keys[4] = {k + (sl[j] * Hkv + kvh) * hd, k + (sl[j + 1] * Hkv + kvh) * hd,
                                 k + (sl[j + 2] * Hkv + kvh) * hd, k + (sl[j + 3] * Hkv + kvh) * hd};
+        if (j + PF + 4 <= L)   // keys PF ahead: the cache was written a step ago, and the weights evicted it since
+          for (int64_t u = j + PF; u < j + PF + 4; ++u)
+            for (int64_t b = 0; b < hd; b += 16) __builtin_prefetch(k + (sl[u] * Hkv + kvh) * hd + b);
         dot8x4(qf.data(), keys, hd, &p[j]);
       }
       for (; j < L; ++j) p[j] = dot8(qf.data(), k + (sl[j] * Hkv + kvh) * hd, hd);
@@ -120,6 +125,8 @@ void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const floa
         float acc[D] = {};
         for (j = 0; j < L; ++j) {
           const float* vr = v + (sl[j] * Hkv + kvh) * hd + d0;
+          if (j + PF < L) __builtin_prefetch(v + (sl[j + PF] * Hkv + kvh) * hd + d0);
+          if (j + PF < L) __builtin_prefetch(v + (sl[j + PF] * Hkv + kvh) * hd + d0 + 16);
           for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vr[d];
         }
         std::copy(acc, acc + D, o.begin() + d0);
