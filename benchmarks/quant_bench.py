@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/quant_bench.py --model smollm2-135m --rounds 3
     .venv/bin/python benchmarks/quant_bench.py --model qwen2.5-coder-1.5b --modes none,int4 --no-llamacpp
+    .venv/bin/python benchmarks/quant_bench.py --model qwen2.5-coder-1.5b --modes w4a8 --rows 1,5 --paired 100
 
 Per engine: decode ms/token and verify ms for k new rows on a cached 128-token prefix (rolled back after each),
 128-token prefill tokens/s; rounds alternate engines so machine noise hits all alike. Quality: top-1 agreement and
@@ -103,6 +104,27 @@ def rss_in_fresh_process(model: str, mode: str) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def paired(engines: dict, rows: list[int], n: int) -> None:
+    """Each engine's time for k rows against llama.cpp's in the call next to it, the order alternating."""
+    peer = engines.get("llama.cpp")
+    if peer is None:
+        raise SystemExit("--paired needs the llama.cpp peer (make peers)")
+    for k in rows:
+        for name, e in engines.items():
+            if e is peer:
+                continue
+            for f in (e.rows, peer.rows):
+                f(k)                                                 # warm
+            ours, theirs = [], []
+            for i in range(n):
+                for side, f in ((ours, e.rows), (theirs, peer.rows))[::1 if i % 2 == 0 else -1]:
+                    side.append(timed(lambda: f(k), 1))
+            r = [x / y for x, y in zip(ours, theirs)]
+            q = statistics.quantiles(r, n=4)
+            print(f"{k} rows: {name} {statistics.median(ours):.2f} ms, llama.cpp {statistics.median(theirs):.2f} ms; "
+                  f"ratio of pairs: median {statistics.median(r):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f}), n = {n}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -113,6 +135,10 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--paired", type=int, default=0, metavar="N",
+                    help="only: N calls of each engine alternating one by one, at each of --rows; the median and "
+                         "quartiles of each adjacent pair's time ratio to llama.cpp's (a noisy machine's slow "
+                         "minutes hit both alike)")
     ap.add_argument("--rss", action="store_true", help="only: resident memory per mode, each in a fresh process "
                                                        "(load from the cache, engine, 128-token prefill, one decode)")
     a = ap.parse_args()
@@ -133,6 +159,9 @@ def main():
             engines["llama.cpp"] = Llama(gguf_path_of(a.model), prompt, a.threads)
         except ImportError:
             print("llama.cpp: llama-cpp-python not installed (make peers)")
+    if a.paired:
+        paired(engines, rows, a.paired)
+        return
     res = {n: {k: [] for k in [*rows, "prefill"]} for n in engines}
     for _ in range(a.rounds):
         for n, e in engines.items():
