@@ -150,6 +150,15 @@ def test_q6_holds_every_weight_within_half_a_step():
     assert ((exact - w).abs() <= 0.5 * step + 2 ** -11 * offset.abs().repeat_interleave(32, 1) + 1e-7).all()
 
 
+def test_w4a8_head_keeps_the_files_precision():
+    """The w4a8 head is 6-bit only where the file holds it in at most Q6_K's 6.56 bits a weight (Qwen 1.5B's Q4_K_M
+    file); a Q8_0 or float head (SmolLM2's file, the 0.5B draft's) and a model without a file keep 8 bits."""
+    assert Q._kind("w4a8", "lm_head", QT.Q6_K) == "q6" and Q._kind("w4a8", "lm_head", QT.Q4_K) == "q6"
+    assert [Q._kind("w4a8", "lm_head", t) for t in (QT.Q8_0, QT.F16, QT.F32, None)] == ["q8"] * 4
+    assert Q._kind("w4a8", "layers.0.mlp.w_down", QT.Q6_K) == "q4" and Q._kind("w8a8", "lm_head", QT.Q6_K) == "q8"
+    assert Q._kind("int4", "lm_head", QT.Q6_K) == "int8"
+
+
 @pytest.mark.parametrize("kind", ["int8", "q8", "q6", "q4"])
 def test_first_rows_is_the_heads_first_outputs_bitwise(kind):
     """A restricted draft head (draft.model.restrict_vocab) is a view of the head's first rows, and each output of
@@ -370,6 +379,7 @@ def test_smollm2_int4_weights_are_the_files(smollm2_int4, smollm2):
 @pytest.mark.parametrize("mode", ["int4", "w4a8"])
 def test_smollm2_quantized_speculative_equals_target_only(smollm2_int4, mode):
     lm, n = smollm2_int4 if mode == "int4" else load("smollm2-135m", quant=mode), 12
+    assert lm.model.lm_head.kind == {"int4": "int8", "w4a8": "q8"}[mode]      # the file's head is Q8_0
     # One short code prompt (`make test` budget): the packed int4 kernel dequantises per row, so prefill rows dominate.
     prompts = [lm.tokenizer.encode("def fibonacci(n):\n    ")]
     d = make_drafter("layer-skip", lm.model, skip="0-11,18-29", kv_tokens=16384)

@@ -21,13 +21,13 @@ Where the weights come from (what is exact and what is requantized):
 - int8 (and the lm_head in int4 mode, which llama.cpp's Q4_K_M also keeps wider): dequantised to float32, then
   requantized per output row, scale = max|w| / 127. A GGUF block's own scale varies every 32 (or 16) inputs, so no
   GGUF type maps exactly onto one scale per row.
-- w4a8 ("q4" linears; the head "q6", 6-bit as in llama.cpp's Q4_K_M files): codes and per-group scale and
-  offset (w = scale * q + offset) in fp16. From Q4_0 / Q4_1 blocks the weights are the file's exactly (fp16 is the
-  file's own scale type); from Q4_K, scale = d * sub-block scale is rounded to fp16 (11-bit mantissa; int4 mode's
-  bf16 has 8); other types are requantized per group (min/max, 16 levels; q6: min/max, 64 levels; q8 (w8a8):
-  max|w|/127 symmetric, 255 levels).
-  Activations are rounded to int8 per row and group of 32 (scale max|x|/127), as llama.cpp's Q8_0 does: an
-  approximation of its own, measured against bf16 in benchmarks/quant_bench.py.
+- w4a8 ("q4" linears; the head "q6" where the file holds it in Q6_K or fewer bits, as llama.cpp's Q4_K_M files do,
+  else "q8"): codes and per-group scale and offset (w = scale * q + offset) in fp16. From Q4_0 / Q4_1 blocks the
+  weights are the file's exactly (fp16 is the file's own scale type); from Q4_K, scale = d * sub-block scale is
+  rounded to fp16 (11-bit mantissa; int4 mode's bf16 has 8); other types are requantized per group (min/max, 16
+  levels; q6: min/max, 64 levels; q8: max|w|/127 symmetric, 255 levels). Activations are rounded to int8 per row and
+  group of 32 (scale max|x|/127), as llama.cpp's Q8_0 does: an approximation of its own, measured against bf16 in
+  benchmarks/quant_bench.py.
 The token embedding is a quantized table too (QEmbedding): a tied model's is the head's own table, an untied model's is
 read from its GGUF's 4-bit blocks or requantized to int8 per row.
 """
@@ -51,7 +51,7 @@ BITS = {"q4": 4, "q6": 6, "q8": 8}   # QLinear kinds computed by kernels.qdot
 GROUP = 32                       # int4 group size: the GGUF block (Q4_0/Q4_1) and Q4_K sub-block size
 QBLOCK = 16                      # q4 / q6 / q8: outputs per block of qdot.cpp's layout (one vector of lanes)
 QUAD = 4 * QBLOCK                # q4 / q6 / q8: outputs per quad (4 blocks whose records lie side by side)
-CACHE_FORMAT = 9                 # bump when the cached layout changes
+CACHE_FORMAT = 10                # bump when the cached layout changes
 
 
 def check_mode(mode: str | None) -> str:
@@ -111,12 +111,12 @@ class QLinear(nn.Module):
     @classmethod
     def q(cls, bits: int, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias=None,
           dtype=torch.bfloat16) -> "QLinear":
-        """For kernels.qdot: codes uint8 [N, K] (0..15 or 0..255), scale/offset [N, K/32]: w = scale * q + offset.
-        Stored in qdot.cpp's layout: outputs in blocks of 16 and blocks in quads of 4 (N padded with zero weights);
-        a block's record for a group of 32 inputs is its codes, 64-byte rows of 16 outputs x 4 inputs (4-bit: rows
-        2p and 2p + 1 share row p as low and high nibbles, P = 4 rows; 6-bit: those 4 rows of the low 4 bits and 2
-        rows of the high 2, P = 6; 8-bit: P = 8), then its 16 scales and 16 offsets in fp16; a quad's 4 records of
-        a group lie side by side: uint8 [N/64, K/32, 4, P * 64 + 64]."""
+        """For kernels.qdot: codes uint8 [N, K] (0..15, 0..63 or 0..255), scale / offset [N, K/32]: w = scale * q +
+        offset. Stored in qdot.cpp's layout: outputs in blocks of 16 and blocks in quads of 4 (N padded with zero
+        weights); a block's record for a group of 32 inputs is its codes, 64-byte rows of 16 outputs x 4 inputs
+        (4-bit: rows 2p and 2p + 1 share row p as low and high nibbles, P = 4 rows; 6-bit: those 4 rows of the low 4
+        bits and 2 rows of the high 2, P = 6; 8-bit: P = 8), then its 16 scales and 16 offsets in fp16; a quad's 4
+        records of a group lie side by side: uint8 [N/64, K/32, 4, P * 64 + 64]."""
         N, K = codes.shape
         if K % GROUP:
             raise ModelError(f"the int8-activation kernel needs in_features divisible by 32, not {K}", field="quant")
@@ -124,7 +124,7 @@ class QLinear(nn.Module):
         pad = nq * QUAD - N
         codes, scale, offset = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale.float(), offset.float()))
         c = codes.reshape(nq, 4, QBLOCK, ng, 8, 4).permute(0, 3, 1, 4, 2, 5)    # [quad, group, block, row, output, 4]
-        if bits < 8:               # 6-bit: the low 4 bits so, then 2 rows of high bits (row 4h + s at bits 2s, 2s + 1)
+        if bits < 8:               # 6-bit: the low 4 bits packed so, then 2 rows of high bits (row 4h + s: 2s, 2s+1)
             lo, hi = c & 0x0F, c >> 4
             c = lo[:, :, :, 0::2] | (lo[:, :, :, 1::2] << 4)
             if bits == 6:
@@ -378,11 +378,18 @@ def _gguf_parts(name: str, tied: bool) -> list[str]:
     return [f"blk.{i}.{p}.weight" for p in parts]
 
 
-def _kind(mode: str, name: str) -> str:
-    """The linear kind of `name` in `mode`: the output head keeps 8 bits in int4, 6 in w4a8 (llama.cpp's Q4_K_M files
-    hold it in Q6_K)."""
+def _kind(mode: str, name: str, qtype=None) -> str:
+    """The linear kind of `name` in `mode`, read from a GGUF tensor of type `qtype` (None: no file). The output head
+    keeps 8 bits in int4; in w4a8 it keeps 6 where the file holds it in at most 6.5 bits a weight (Q6_K in llama.cpp's
+    Q4_K_M files), else 8 (a Q8_0 head, e.g. SmolLM2's, loses precision in 6 bits: KL to bf16 0.0058 -> 0.0083)."""
     if mode in ("w8a8", "w4a8"):
-        return "q8" if mode == "w8a8" else "q6" if name == "lm_head" else "q4"
+        if mode == "w8a8":
+            return "q8"
+        if name != "lm_head":
+            return "q4"
+        from gguf import GGML_QUANT_SIZES
+        block, size = GGML_QUANT_SIZES.get(qtype, (1, 4)) if qtype is not None else (1, 4)
+        return "q6" if 8 * size / block <= 6.5625 else "q8"
     return "int8" if mode == "int8" or name == "lm_head" else "int4"
 
 
@@ -407,9 +414,9 @@ def quantize_model(model, mode: str, gguf_path: str | os.PathLike | None = None)
     for name, lin in _linears(model).items():
         w = model.embed.weight if lin is None else lin.weight
         bias = None if lin is None else lin.bias
-        parts = _gguf_parts(name, tied) if tensors else []
-        setattr_path(model, name, _quantize_one(_kind(mode, name), w, bias, [tensors[p] for p in parts],
-                                                model.cfg, dtype))
+        parts = [tensors[p] for p in (_gguf_parts(name, tied) if tensors else [])]
+        kind = _kind(mode, name, parts[0].tensor_type if len(parts) == 1 else None)
+        setattr_path(model, name, _quantize_one(kind, w, bias, parts, model.cfg, dtype))
     table = tensors.get("token_embd.weight")
     if tied:
         model.embed = QEmbedding(model.lm_head)

@@ -2,7 +2,7 @@
 system C++ compiler; -march=native, so the build is cached per CPU and source).
 
     from specdec.engine import kernels
-    y = kernels.qdot(x, packed, bits=4, n=N)                  # qdot.cpp: 4/8-bit weights x int8 activations
+    y = kernels.qdot(x, packed, bits=4, n=N)                  # qdot.cpp: 4/6/8-bit weights x int8 activations
     y = kernels.rms_norm(x, w, eps)                          # layer_ops.cpp: a row's RMSNorm in one call, and
     kernels.attend(...), kernels.rope(...), kernels.write_kv(...)   # attention, rotary, KV writes (decode's small ops)
 
