@@ -229,8 +229,8 @@ class QLinear(nn.Module):
 
 
 class QEmbedding(nn.Module):
-    """The token embedding, dequantised on lookup. A tied model reads the rows of its int8 output head, so the table
-    is held once instead of twice (a bf16 lookup table beside the int8 head: 56 MB less for SmolLM2); an untied
+    """The token embedding, dequantised on lookup. A tied model reads the rows of its quantized output head (int8,
+    q8 or q6), so the table is held once (a bf16 lookup table beside the int8 head: 56 MB more for SmolLM2); an untied
     model reads its GGUF file's 4-bit blocks where it has them (GGUFRows: no table in memory), else holds its own
     int8 table (half the bf16 table)."""
 
