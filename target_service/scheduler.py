@@ -286,7 +286,8 @@ class Scheduler:
             return
         t_start = time.perf_counter()
         mix, self._mix = self._mix, []
-        batch = [j for j in self.running if j not in mix]
+        mixed = {id(j) for j in mix}           # by identity: a Job is a dataclass, `in` would compare its fields
+        batch = [j for j in self.running if id(j) not in mixed]
         if not batch:                          # nothing to step with: prefill them apart
             async with self.engine_lock:
                 await compute.run(self._prefill, mix)

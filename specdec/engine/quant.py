@@ -68,12 +68,11 @@ class QLinear(nn.Module):
     The packed tensors are buffers, so state_dict / safetensors caching and `.to()` work as for any module."""
 
     def __init__(self, kind: str, out_features: int, in_features: int, qweight: torch.Tensor, scales: torch.Tensor,
-                 bias: torch.Tensor | None = None, offsets: torch.Tensor | None = None, dtype=None):
+                 bias: torch.Tensor | None = None, dtype=None):
         super().__init__()
         self.kind, self.out_features, self.in_features = kind, out_features, in_features
         self.register_buffer("qweight", qweight)   # int4: uint8 [N, K/2] (CPU pack); int8: int8 [N, K]; q*: q()
         self.register_buffer("scales", scales)     # int4: [K/32, N, 2] (scale, zero); int8: [N]; q4 / q6 / q8: None
-        self.register_buffer("offsets", offsets)   # None
         self.register_buffer("bias", bias)
         self._dtype = dtype or scales.dtype        # the activations' (model's) dtype
 
@@ -132,7 +131,7 @@ class QLinear(nn.Module):
                 c = torch.cat([c, tops.to(torch.uint8)], dim=3)
         halves = lambda t: t.reshape(nq, 4, QBLOCK, ng).permute(0, 3, 1, 2).to(torch.float16).contiguous()
         rec = torch.cat([c.reshape(nq, ng, 4, -1), *(halves(t).view(torch.uint8) for t in (scale, offset))], dim=-1)
-        return cls(f"q{bits}", N, K, rec.contiguous(), None, None if bias is None else bias.to(dtype), None, dtype)
+        return cls(f"q{bits}", N, K, rec.contiguous(), None, None if bias is None else bias.to(dtype), dtype)
 
     @classmethod
     def empty(cls, kind: str, out_features: int, in_features: int, bias: bool, dtype: torch.dtype) -> "QLinear":
@@ -147,7 +146,7 @@ class QLinear(nn.Module):
                 qw, sc = torch.empty(-(-N // QUAD), K // GROUP, 4, GROUP * QBLOCK * BITS[kind] // 8 + 64,
                                      dtype=torch.uint8), None
             b = torch.empty(N, dtype=dtype) if bias else None
-        return cls(kind, N, K, qw, sc, b, None, dtype)
+        return cls(kind, N, K, qw, sc, b, dtype)
 
     def first_rows(self, n: int) -> "QLinear":
         """The first n outputs as a QLinear sharing this one's storage (a restricted draft head, draft/model.py).
@@ -155,14 +154,14 @@ class QLinear(nn.Module):
         if n >= self.out_features:
             return self
         if self.kind == "int8":
-            parts = (self.qweight[:n], self.scales[:n], None)
+            parts = (self.qweight[:n], self.scales[:n])
         elif self.kind in BITS and n % QUAD == 0:
-            parts = (self.qweight[:n // QUAD], None, None)
+            parts = (self.qweight[:n // QUAD], None)
         else:
             raise ModelError(f"a {self.kind} weight cannot be cut to its first {n} rows", field="draft_vocab",
                              remedy=f"use a multiple of {QUAD} (q4 / q6 / q8) or another --quant")
         bias = None if self.bias is None else self.bias[:n]
-        return QLinear(self.kind, n, self.in_features, parts[0], parts[1], bias, parts[2], self._dtype)
+        return QLinear(self.kind, n, self.in_features, *parts, bias, self._dtype)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()                              # the kernels want dense rows
@@ -388,7 +387,7 @@ def _kind(mode: str, name: str, qtype=None) -> str:
         if name != "lm_head":
             return "q4"
         from gguf import GGML_QUANT_SIZES
-        block, size = GGML_QUANT_SIZES.get(qtype, (1, 4)) if qtype is not None else (1, 4)
+        block, size = GGML_QUANT_SIZES.get(qtype, (1, 4))              # no file or an unknown type: as float32
         return "q6" if 8 * size / block <= 6.5625 else "q8"
     return "int8" if mode == "int8" or name == "lm_head" else "int4"
 

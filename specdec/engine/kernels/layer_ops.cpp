@@ -59,26 +59,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // float32 in one fixed order (8 strided partial sums per dot product, keys in position order). A row's bits depend on
 // that row alone: no padding, no tiles, no GEMM kernel picked by shape. It replaces ~15 tensor ops a layer (gathers,
 // casts, two batched GEMMs, softmax) that cost ~150 us a layer at decode.
-inline float dot8(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// a . b[k] for NK keys at once, each key's sums in one fixed order (8 strided partial sums, then a fixed tree): NK
+// independent chains (a decode's attention one key at a time was bound by the latency of one chain of adds, ~9 us a
+// head for 128 keys on a Zen 4).
+template <int NK>
+inline void dots8(const float* a, const float* const b[NK], int64_t n, float* out) {
+  float acc[NK][8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  for (; i < n; ++i) acc[i % 8] += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-// dot8 of a with 4 keys at once, each key's sums exactly dot8's: 4 independent chains instead of one (a decode's
-// attention was bound by the latency of one chain of adds, ~9 us a head for 128 keys on a Zen 4).
-inline void dot8x4(const float* a, const float* const b[4], int64_t n, float* out) {
-  float acc[4][8] = {};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < NK; ++k)
       for (int j = 0; j < 8; ++j) acc[k][j] += a[i + j] * b[k][i + j];
   for (; i < n; ++i)
-    for (int k = 0; k < 4; ++k) acc[k][i % 8] += a[i] * b[k][i];
-  for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < NK; ++k) acc[k][i % 8] += a[i] * b[k][i];
+  for (int k = 0; k < NK; ++k)
     out[k] = ((acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3])) + ((acc[k][4] + acc[k][5]) + (acc[k][6] + acc[k][7]));
 }
 
@@ -105,9 +98,12 @@ void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const floa
         if (j + PF + 4 <= L)   // keys PF ahead: the cache was written a step ago, and the weights evicted it since
           for (int64_t u = j + PF; u < j + PF + 4; ++u)
             for (int64_t b = 0; b < hd; b += 16) __builtin_prefetch(k + (sl[u] * Hkv + kvh) * hd + b);
-        dot8x4(qf.data(), keys, hd, &p[j]);
+        dots8<4>(qf.data(), keys, hd, &p[j]);
       }
-      for (; j < L; ++j) p[j] = dot8(qf.data(), k + (sl[j] * Hkv + kvh) * hd, hd);
+      for (; j < L; ++j) {
+        const float* key[1] = {k + (sl[j] * Hkv + kvh) * hd};
+        dots8<1>(qf.data(), key, hd, &p[j]);
+      }
       for (j = 0; j < L; ++j) {
         p[j] *= scale;
         mx = std::max(mx, p[j]);
