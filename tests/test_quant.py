@@ -190,6 +190,31 @@ def test_packed_kernels_row_invariant(kind):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
+def test_qdot_amx_tiles_give_the_vector_paths_bits(kind):
+    """On a CPU with AMX (Sapphire Rapids and later) qdot runs whole tiles of 16 rows of a call of 16 rows or more on
+    the tile unit: the same exact int32 dots, the same float chain per output, so the same bits as the vector path
+    (switched off in the same process) and as each row alone. Skipped on a CPU without AMX, where there is no second
+    path."""
+    from specdec.engine import kernels
+    if not kernels.qdot_amx():
+        pytest.skip("this CPU (or kernel) has no AMX tiles")
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(200, 352, generator=g) * 0.02     # 3 quads and a padded one; 11 groups (an odd count)
+    lin = _qlinear(kind, w, torch.float32)
+    x = torch.randn(51, 352, generator=g)             # 3 whole tiles and 3 rows on the vector path
+    x[20] *= 500
+    x[37, :32] = 0
+    try:
+        tiles = {n: lin.mm(x[:n]) for n in (16, 35, 51)}
+        kernels.qdot_amx(False)
+        for n, y in tiles.items():
+            assert torch.equal(y, lin.mm(x[:n])), n
+        assert torch.equal(tiles[51], torch.cat([lin.mm(x[i:i + 1]) for i in range(51)]))
+    finally:
+        kernels.qdot_amx(True)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
 def test_qdot_avx2_build_gives_the_same_bits(tmp_path, kind):
     """A CPU without AVX-512 runs qdot.cpp's AVX2 path (two ymm for a vector of 16 outputs, maddubs for dpbusd): it
     computes the same exact int32 dots and the same float chain per output, so its bits are this machine's (on an

@@ -131,3 +131,10 @@ def qdot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, of
     sums = (a.double() * xq.double().sum(-1))                                   # a * sum(xq) per group
     return (dots * (a.double()[:, None, :] * scale.double()[None])).sum(-1) + sums @ offset.double().t()
 
+
+
+def qdot_amx(enable: bool | None = None) -> bool:
+    """Whether qdot runs whole tiles of 16 rows on AMX (a CPU that has it, Linux granting the tile state); `enable`
+    switches it for this process (same bits either way: tests compare the two)."""
+    _load()
+    return torch.ops.specdec.qdot_amx(-1 if enable is None else int(enable))
