@@ -326,23 +326,25 @@ template <int BITS, typename T>
 void run(const uint8_t* packed, const int8_t* xq, const float* a, const float* asum, int64_t M, int64_t N, int64_t K,
          T* y) {
   const int64_t ng = K / G, n_quads = (N + Q * B - 1) / (Q * B);
+  int64_t m_done = 0;
 #ifdef SPECDEC_AMX
-  const int64_t m_amx = M >= AMX_MIN_ROWS && amx_ready() ? M / TR * TR : 0;   // rows in whole AMX tiles
-#else
-  const int64_t m_amx = 0;
+  if (M >= AMX_MIN_ROWS && amx_ready()) {   // whole 16-row tiles on AMX, the rest below
+    m_done = M / TR * TR;
+    at::parallel_for(0, n_quads, 1, [&](int64_t q0, int64_t q1) {
+      std::vector<uint8_t> buf;
+      _tile_loadconfig(&tile_config());     // per thread: other code (oneDNN) may have set its own
+      for (int64_t q = q0; q < q1; ++q) amx_quad<BITS, T>(packed + q * ng * Q * REC<BITS>, buf, xq, a, asum, m_done,
+                                                          K, N, q * Q * B, y);
+      _tile_release();
+    });
+  }
 #endif
+  if (m_done == M) return;
   at::parallel_for(0, n_quads, 1, [&](int64_t q0, int64_t q1) {
-#ifdef SPECDEC_AMX
-    std::vector<uint8_t> buf;
-    if (m_amx) _tile_loadconfig(&tile_config());   // per thread: other code (oneDNN) may have set its own
-#endif
     for (int64_t q = q0; q < q1; ++q) {
       const uint8_t* quad = packed + q * ng * Q * REC<BITS>;
       const int64_t n0 = q * Q * B;
-#ifdef SPECDEC_AMX
-      if (m_amx) amx_quad<BITS, T>(quad, buf, xq, a, asum, m_amx, K, N, n0, y);
-#endif
-      for (int64_t m = m_amx; m < M;) {
+      for (int64_t m = m_done; m < M;) {
         const Rows x{xq + m * K, a + m * ng, asum + m * ng};
         const int64_t left = M - m;
         if (left >= ROWS || (WIDE == 1 && left > 1)) {   // one block at a time, up to 8 rows
@@ -356,9 +358,6 @@ void run(const uint8_t* packed, const int8_t* xq, const float* a, const float* a
         }
       }
     }
-#ifdef SPECDEC_AMX
-    if (m_amx) _tile_release();
-#endif
   });
 }
 
