@@ -132,7 +132,6 @@ def qdot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, of
     return (dots * (a.double()[:, None, :] * scale.double()[None])).sum(-1) + sums @ offset.double().t()
 
 
-
 def qdot_amx(enable: bool | None = None) -> bool:
     """Whether qdot runs whole tiles of 16 rows on AMX (a CPU that has it, Linux granting the tile state); `enable`
     switches it for this process (same bits either way: tests compare the two)."""

@@ -28,7 +28,6 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <sys/syscall.h>
