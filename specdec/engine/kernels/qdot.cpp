@@ -18,9 +18,11 @@
 // (1 to 16 rows) with codes, scales and offsets in three arrays (12 streams a thread for one row; the short
 // streams of scales never got the hardware prefetcher going). An activation's 4 bytes are broadcast to every lane,
 // so a group's dot for 16 outputs is 8 dpbusd.
-// Tiles: a quad's 4 blocks side by side for up to WIDE rows (4 x 4 accumulators fill AVX-512's 32 registers), each
-// record unpacked once for all of them; 8 rows or more run one block at a time, 8 rows a tile, the quad's records
-// then read from the cache. With AMX (below) calls of 16 rows or more run whole 16-row tiles on the tile unit.
+// Tiles: a quad's 4 blocks side by side for up to WIDE rows (4 x 6 accumulators of AVX-512's 32 registers), each
+// record unpacked once for all of them; calls of 32 rows or more run one block at a time, 8 rows a tile, the quad's
+// records then read from the cache. On a 2-core Sapphire Rapids (vector path, Qwen 1.5B-shaped weights) 4-row
+// quad-wide tiles took 0.63x the time of 8-row one-block tiles at 8 rows, 0.85x at 16, the same at 32 and 1.1x at
+// 64-128; and 6-row quad-wide tiles 0.72-0.86x the time of 4-row ones at 5-6 rows (spills and all). With AMX (below) calls of 16 rows or more run whole 16-row tiles on the tile unit.
 // Compiled at first use by kernels/__init__.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -41,11 +43,12 @@ constexpr int G = 32;      // inputs per group
 constexpr int B = 16;      // outputs per block (lanes of a vector)
 constexpr int Q = 4;       // blocks per quad
 constexpr int ROWS = 8;    // rows of a one-block tile
+constexpr int ONE_BLOCK_ROWS = 32;   // calls of fewer rows run quad-wide tiles only
 template <int BITS> constexpr int REC = G * B * BITS / 8 + 4 * B;   // bytes of a record: codes, scales, offsets
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // 16 int32 / float lanes in one zmm
-constexpr int WIDE = 4;    // rows of a quad-wide tile
+constexpr int WIDE = 6;    // rows of a quad-wide tile
 struct VI { __m512i v; };
 struct VF { __m512 v; };
 inline VI load64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
@@ -346,7 +349,7 @@ void run(const uint8_t* packed, const int8_t* xq, const float* a, const float* a
       for (int64_t m = m_done; m < M;) {
         const Rows x{xq + m * K, a + m * ng, asum + m * ng};
         const int64_t left = M - m;
-        if (left >= ROWS || (WIDE == 1 && left > 1)) {   // one block at a time, up to 8 rows
+        if ((M >= ONE_BLOCK_ROWS && left >= ROWS) || (WIDE == 1 && left > 1)) {   // one block at a time, 8 rows
           const int r = static_cast<int>(std::min<int64_t>(ROWS, left));
           for (int j = 0; j < Q; ++j) tile_r<BITS, 1, ROWS, T>(r, quad, j, x, K, N, n0 + j * B, y + m * N + n0 + j * B);
           m += r;
