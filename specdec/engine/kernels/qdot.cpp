@@ -218,7 +218,7 @@ inline void tile_r(int r, const uint8_t* quad, int j0, Rows x, int64_t K, int64_
 // code rows are already the B tile's layout (4 inputs x 16 outputs a 64-byte row). Only the integer products move to
 // the tile unit; the float chain above runs as before on each row, so outputs are bitwise those of tile(). That
 // chain (4 float ops per row, output and group) is then about half the time: a 2-core Sapphire Rapids ran Qwen 1.5B's
-// matmuls 1.2x faster at 64-128 rows, about even at 16-32; a prefill of 140 tokens 1.17x.
+// matmuls 1.2x faster at 64-128 rows, about even at 16-32; a prefill of 140 tokens 1.13-1.17x.
 constexpr int TR = 16;   // rows of an AMX tile
 constexpr int AMX_MIN_ROWS = 16;  // fewer rows, and the rows past the last whole tile, run on tile()
 bool amx_enabled = true;
@@ -257,15 +257,15 @@ const TileConfig& tile_config() {
     _tile_stored(TC, sums, 64);                  \
   } while (0)
 
-// One block (16 outputs from n0) for rows [m0, m1), a multiple of 16 rows; codes: the block's unpacked code rows,
+// One block (16 outputs from n0) for rows [0, m1), a multiple of 16 rows; codes: the block's unpacked code rows,
 // 512 bytes per group (an 8-bit record's own rows, stride `cstride` between groups).
 template <typename T>
 void amx_block(const uint8_t* codes, int64_t cstride, const uint8_t* rec0, int64_t rstride, int codes_bytes,
-               const int8_t* xq, const float* a, const float* asum, int64_t m0, int64_t m1, int64_t K, int64_t N,
-               int64_t n0, T* y) {
+               const int8_t* xq, const float* a, const float* asum, int64_t m1, int64_t K, int64_t N, int64_t n0,
+               T* y) {
   const int64_t ng = K / G;
   alignas(64) int32_t sums[4][TR * B];
-  for (int64_t m = m0; m < m1; m += TR) {
+  for (int64_t m = 0; m < m1; m += TR) {
     VF acc[TR];
 #pragma GCC unroll 16
     for (int r = 0; r < TR; ++r) acc[r] = fzero();
@@ -310,7 +310,7 @@ void amx_quad(const uint8_t* quad, std::vector<uint8_t>& buf, const int8_t* xq, 
   for (int j = 0; j < Q && n0 + j * B < N; ++j) {
     const uint8_t* rec0 = quad + j * REC<BITS>;
     if constexpr (BITS == 8) {
-      amx_block<T>(rec0, Q * REC<8>, rec0, Q * REC<8>, CODES, xq, a, asum, 0, m1, K, N, n0 + j * B, y);
+      amx_block<T>(rec0, Q * REC<8>, rec0, Q * REC<8>, CODES, xq, a, asum, m1, K, N, n0 + j * B, y);
     } else {
       buf.resize(ng * 8 * 64);
       for (int64_t g = 0; g < ng; ++g) {
@@ -318,7 +318,7 @@ void amx_quad(const uint8_t* quad, std::vector<uint8_t>& buf, const int8_t* xq, 
         unpack<BITS>(rec0 + g * Q * REC<BITS>, c);
         for (int i = 0; i < 8; ++i) _mm512_storeu_si512(buf.data() + g * 512 + 64 * i, c[i].v);
       }
-      amx_block<T>(buf.data(), 512, rec0, Q * REC<BITS>, CODES, xq, a, asum, 0, m1, K, N, n0 + j * B, y);
+      amx_block<T>(buf.data(), 512, rec0, Q * REC<BITS>, CODES, xq, a, asum, m1, K, N, n0 + j * B, y);
     }
   }
 }
