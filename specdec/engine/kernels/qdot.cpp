@@ -22,8 +22,9 @@
 // record unpacked once for all of them; calls of 32 rows or more run one block at a time, 8 rows a tile, the quad's
 // records then read from the cache. On a 2-core Sapphire Rapids (vector path, Qwen 1.5B-shaped weights) 4-row
 // quad-wide tiles took 0.63x the time of 8-row one-block tiles at 8 rows, 0.85x at 16, the same at 32 and 1.1x at
-// 64-128; and 6-row quad-wide tiles 0.72-0.86x the time of 4-row ones at 5-6 rows (spills and all). With AMX (below) calls of 16 rows or more run whole 16-row tiles on the tile unit.
-// Compiled at first use by kernels/__init__.py with -march=native.
+// 64-128; and 6-row quad-wide tiles 0.72-0.86x the time of 4-row ones at 5-6 rows (spills and all). With AMX
+// (below) calls of 16 rows or more run whole 16-row tiles on the tile unit. Compiled at first use by
+// kernels/__init__.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -153,6 +154,13 @@ inline void unpack(const uint8_t* p, VI c[8]) {
   }
 }
 
+// One group's step of an output's float chain (the header's order): acc + float(dot) * (a * s), then + o * asum. Every
+// tile path calls this one, which is what keeps a row's bits the same whichever path ran it.
+inline VF group_step(VF acc, VI dot, float a, float asum, VF sv, VF ov) {
+  acc = ffma(tofloat(dot), fmul(fset(a), sv), acc);
+  return ffma(ov, fset(asum), acc);
+}
+
 struct Rows {                // the quantized activations of a tile's first row
   const int8_t* xq;          // [R, K]
   const float* a;            // [R, K/32] scales
@@ -187,9 +195,7 @@ inline void tile(const uint8_t* quad, int j0, Rows x, int64_t K, int64_t N, int6
           d0 = dot4<BITS>(d0, c[i], x4[i]);
           d1 = dot4<BITS>(d1, c[4 + i], x4[4 + i]);
         }
-        const VF cs = fmul(fset(x.a[r * ng + g]), sv);
-        acc[r][b] = ffma(tofloat(iadd(d0, d1)), cs, acc[r][b]);
-        acc[r][b] = ffma(ov, fset(x.asum[r * ng + g]), acc[r][b]);
+        acc[r][b] = group_step(acc[r][b], iadd(d0, d1), x.a[r * ng + g], x.asum[r * ng + g], sv, ov);
       }
     }
   }
@@ -216,7 +222,7 @@ inline void tile_r(int r, const uint8_t* quad, int j0, Rows x, int64_t K, int64_
 // AMX (Sapphire Rapids and later): tiles of 16 rows. A group's integer dot for 16 rows x 16 outputs is one tile
 // multiply (signed activations x unsigned codes, TDPBSUD: exact int32 sums, the same as dpbusd's), and the record's
 // code rows are already the B tile's layout (4 inputs x 16 outputs a 64-byte row). Only the integer products move to
-// the tile unit; the float chain above runs as before on each row, so outputs are bitwise those of tile(). That
+// the tile unit; each row's float chain is group_step, as in tile(), so outputs are bitwise those of tile(). That
 // chain (4 float ops per row, output and group) is then about half the time: a 2-core Sapphire Rapids ran Qwen 1.5B's
 // matmuls 1.2x faster at 64-128 rows, about even at 16-32; a prefill of 140 tokens 1.13-1.17x.
 constexpr int TR = 16;   // rows of an AMX tile
@@ -275,9 +281,8 @@ void amx_block(const uint8_t* codes, int64_t cstride, const uint8_t* rec0, int64
       const VF ov = halfs(reinterpret_cast<const at::Half*>(rec + codes_bytes + 2 * B));
 #pragma GCC unroll 16
       for (int r = 0; r < TR; ++r) {
-        const VF cs = fmul(fset(a[(m + r) * ng + g]), sv);
-        acc[r] = ffma(tofloat(load64(reinterpret_cast<const uint8_t*>(s + r * B))), cs, acc[r]);
-        acc[r] = ffma(ov, fset(asum[(m + r) * ng + g]), acc[r]);
+        acc[r] = group_step(acc[r], load64(reinterpret_cast<const uint8_t*>(s + r * B)), a[(m + r) * ng + g],
+                            asum[(m + r) * ng + g], sv, ov);
       }
     };
     // the tile unit runs two groups ahead of the float chain (sums of 4 groups in flight)
