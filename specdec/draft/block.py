@@ -37,6 +37,7 @@ from torch import nn
 from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer, rms_norm, rope, rotary_tables
+from ..engine.prepack import dense
 from ..engine.quant import GGUFRows, QLinear
 from ..speculative.accept import Mode, draft_sample
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
@@ -148,7 +149,7 @@ class BlockDraftModel(nn.Module):
             self.emb.weight.copy_(emb.dequantize() if isinstance(emb, (QLinear, GGUFRows)) else emb)   # quantized
             lm = target.embed.weight if target.lm_head is None else target.lm_head.weight
             self.vocab_ids.copy_(vocab_ids)
-            self.head.weight.copy_(lm[vocab_ids])
+            self.head.weight.copy_(dense(lm)[vocab_ids])
         return self
 
     def trainable_state(self) -> dict[str, torch.Tensor]:

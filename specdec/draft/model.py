@@ -15,6 +15,7 @@ from torch import nn
 from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer
+from ..engine.prepack import is_prepacked
 from ..engine.quant import QLinear
 from ..errors import InvalidRequest, KVPoolExhausted
 from ..speculative.accept import Mode, draft_sample
@@ -62,7 +63,8 @@ def restrict_vocab(model: Transformer, n: int | None) -> Transformer:
         view.lm_head = head.first_rows(n)       # a QLinear is its own .weight
     else:
         view.lm_head = nn.Linear(model.cfg.dim, n, bias=False, device="meta")
-        view.lm_head.weight = nn.Parameter(head[:n], requires_grad=False)
+        rows = head.to_dense()[:n].clone() if is_prepacked(head) else head[:n]   # prepacked: no rows to share
+        view.lm_head.weight = nn.Parameter(rows, requires_grad=False)
     return view
 
 

@@ -22,6 +22,7 @@ from .attention import acc_dtype, plan_groups
 from .kv_cache import KVPool
 from .layout import Layout, SeqInput, pack
 from .model import Transformer, post_attention, pre_attention
+from .prepack import prepack_linears
 from .quant import QLinear
 from .row_tiles import probe_row_tiles
 
@@ -102,6 +103,8 @@ class Engine(PagedSequences):
         self._compiled = None
         self._eager = None
         self.row_tiles = None       # the linears' row window (batch-invariant engines): the planner profiles its edges
+        if not compile_tiers:       # bf16 weights prepacked for oneDNN where the bits stay F.linear's (prepack.py)
+            prepack_linears(model)
         if batch_invariant:   # linears on the row counts where this BLAS gives a row the same bits (row_tiles.py)
             L = model.layers[0]
             tiles = probe_row_tiles([L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight,

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ModelError
 from .model import ModelConfig, Transformer, rope_tables
+from .prepack import dense_state_dict
 
 # GGUF tensor names -> HF names (per layer names carry "{i}").
 _GGUF_NAMES = {
@@ -78,7 +79,7 @@ def build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """The inverse of `build` (used to export a model as an HF directory, e.g. for parity tests)."""
-    cfg, sd = model.cfg, model.state_dict()
+    cfg, sd = model.cfg, dense_state_dict(model)
     q, kv = cfg.n_heads * cfg.hd, cfg.n_kv_heads * cfg.hd
     out = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
     if not cfg.tie_embeddings:
@@ -146,7 +147,9 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype) -> Transformer:
     sd = {}
     for f in files:
         try:
-            sd.update(load_file(str(f)))
+            # copied out of the file's mapping: it stays mapped (and its pages resident) while any one tensor from it
+            # lives, so the weights an engine replaces by prepacked copies (prepack.py) would be held twice
+            sd.update({k: t.clone() for k, t in load_file(str(f)).items()})
         except (SafetensorError, OSError) as e:
             raise ModelError(f"cannot read weights {f}: {e}", field="model",
                              remedy="the file is corrupt or truncated; re-download or re-export it") from None

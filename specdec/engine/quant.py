@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
+from .prepack import dense_state_dict, prepacked_linear
 from . import kernels
 
 MODES = ("none", "int8", "int4", "w8a8", "w4a8")
@@ -276,9 +277,12 @@ class GGUFRows:
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for a weight tensor; the packed kernel for a QLinear (which carries its own bias)."""
+    """F.linear for a weight tensor; the packed kernel for a QLinear (which carries its own bias); oneDNN's for a
+    weight prepacked for it (engine/prepack.py: the same bits as F.linear)."""
     if isinstance(w, QLinear):
         return w.mm(x)
+    if w.is_mkldnn:
+        return prepacked_linear(x, w, b)
     return F.linear(x, w, b)
 
 
@@ -495,7 +499,7 @@ def save_quantized(model, path: str | os.PathLike) -> Path:
             "embed": ("lm_head" if model.lm_head is model.embed.weight else
                       {"gguf": model.embed.weight.spec} if isinstance(model.embed.weight, GGUFRows) else "int8")}
     (path / "quant.json").write_text(json.dumps(meta, indent=1))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in dense_state_dict(model).items()}, str(path / "model.safetensors"))
     return path
 
 

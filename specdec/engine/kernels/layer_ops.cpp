@@ -146,10 +146,13 @@ void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const floa
       }
       for (j = 0; j < L; ++j) p[j] = p[j] / sum;
       // o[d] += w_j * v_j[d] over j in order, up to 128 outputs at a time held in registers: as many independent
-      // chains as registers allow (with 32 at a time the adds' latency bound a prefill's attention)
+      // chains as registers allow (with 32 at a time the adds' latency bound a prefill's attention); heads of 64
+      // (SmolLM2) take 64 at a time rather than two passes of 32 over the keys
       int64_t d0 = 0;
       if (hd % WSUM == 0)
         for (; d0 < hd; d0 += WSUM) weighted_sum<WSUM>(p.data(), v + kvh * hd + d0, Hkv * hd, sl, L, o.data() + d0);
+      else if (WSUM > 64 && hd % 64 == 0)
+        for (; d0 < hd; d0 += 64) weighted_sum<64>(p.data(), v + kvh * hd + d0, Hkv * hd, sl, L, o.data() + d0);
       for (; d0 + 32 <= hd; d0 += 32) weighted_sum<32>(p.data(), v + kvh * hd + d0, Hkv * hd, sl, L, o.data() + d0);
       for (int64_t d = d0; d < hd; ++d) {
         float acc = 0.f;
