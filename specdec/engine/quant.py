@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from .prepack import dense_state_dict, prepacked_linear
+from .prepack import dense_state_dict, is_prepacked, prepacked_linear
 from . import kernels
 
 MODES = ("none", "int8", "int4", "w8a8", "w4a8")
@@ -281,7 +281,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     weight prepacked for it (engine/prepack.py: the same bits as F.linear)."""
     if isinstance(w, QLinear):
         return w.mm(x)
-    if w.is_mkldnn:
+    if is_prepacked(w):
         return prepacked_linear(x, w, b)
     return F.linear(x, w, b)
 
