@@ -156,6 +156,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def linears(self) -> dict[str, nn.Module | None]:
+        """The linear layers by module name: every block's four, and the output head ("lm_head": None when tied)."""
+        out = {}
+        for i, b in enumerate(self.layers):
+            out.update({f"layers.{i}.attn.wqkv": b.attn.wqkv, f"layers.{i}.attn.wo": b.attn.wo,
+                        f"layers.{i}.mlp.w_gate_up": b.mlp.w_gate_up, f"layers.{i}.mlp.w_down": b.mlp.w_down})
+        out["lm_head"] = self.lm_head
+        return out
+
     def forward(self, tokens, layout, kv, logit_rows=None, hidden_layers=(), kernels=None):
         """tokens [T] (packed rows of all sequences) -> (logits [R, V] for `logit_rows` (None: all rows),
         {layer: hidden [T, dim]} for the requested layers; layer i is the output of block i, -1 the embeddings).

@@ -42,18 +42,18 @@ def dense(w: torch.Tensor) -> torch.Tensor:
 
 
 def _packable(w) -> bool:
-    return (isinstance(w, torch.Tensor) and not w.is_mkldnn and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-            and w.dim() == 2)
+    return (isinstance(w, torch.Tensor) and not is_prepacked(w) and w.dtype == torch.bfloat16
+            and w.device.type == "cpu" and w.dim() == 2)
 
 
 def _same_bits(w: torch.Tensor, b: torch.Tensor | None) -> bool:
     key = (tuple(w.shape), b is not None, w.dtype, torch.get_num_threads())
     if key not in _agrees:
         gen = torch.Generator().manual_seed(0)
-        wr = torch.randn(w.shape, generator=gen).to(w.dtype)
-        br = None if b is None else torch.randn(b.shape, generator=gen).to(b.dtype)
+        wr = torch.randn(w.shape, generator=gen, dtype=w.dtype)     # drawn in bf16: no float32 vocab x dim copy
+        br = None if b is None else torch.randn(b.shape, generator=gen, dtype=b.dtype)
         p = torch.ops.mkldnn._reorder_linear_weight(wr, 1)
-        x = torch.randn(max(PROBE_COUNTS), w.shape[1], generator=gen).to(w.dtype)
+        x = torch.randn(max(PROBE_COUNTS), w.shape[1], generator=gen, dtype=w.dtype)
         with torch.inference_mode():
             _agrees[key] = all(torch.equal(prepacked_linear(x[:n], p, br), torch.nn.functional.linear(x[:n], wr, br))
                                for n in PROBE_COUNTS)
@@ -65,11 +65,10 @@ def prepack_linears(model) -> int:
     (an engine built again on the same model, e.g. a draft's feature engine, finds them packed). Returns how many."""
     if not available():
         return 0
-    mods = [m for L in model.layers for m in (L.attn.wqkv, L.attn.wo, L.mlp.w_gate_up, L.mlp.w_down)]
-    if model.lm_head is not None:
-        mods.append(model.lm_head)
     n = 0
-    for m in mods:
+    for m in model.linears().values():
+        if m is None:                     # a tied head: the embedding, which stays plain
+            continue
         w, b = m.weight, getattr(m, "bias", None)
         if _packable(w) and (b is None or b.dtype == w.dtype) and _same_bits(w, b):
             with torch.no_grad():

@@ -361,16 +361,6 @@ def dequantize_int4(codes, scale, offset) -> torch.Tensor:
 
 
 # -- whole models ------------------------------------------------------------------------------------------------------
-def _linears(model) -> dict[str, nn.Module]:
-    """The model's linear layers by module name: every block's four, and the output head (lm_head, tied or not)."""
-    out = {}
-    for i, b in enumerate(model.layers):
-        out.update({f"layers.{i}.attn.wqkv": b.attn.wqkv, f"layers.{i}.attn.wo": b.attn.wo,
-                    f"layers.{i}.mlp.w_gate_up": b.mlp.w_gate_up, f"layers.{i}.mlp.w_down": b.mlp.w_down})
-    out["lm_head"] = model.lm_head
-    return out
-
-
 def _gguf_parts(name: str, tied: bool) -> list[str]:
     """GGUF tensor names that make up one of our (possibly fused) linears."""
     if name == "lm_head":
@@ -414,7 +404,7 @@ def quantize_model(model, mode: str, gguf_path: str | os.PathLike | None = None)
         from .loader import read_gguf
         tensors = {t.name: t for t in read_gguf(gguf_path).tensors}
     tied = model.lm_head is None
-    for name, lin in _linears(model).items():
+    for name, lin in model.linears().items():
         w = model.embed.weight if lin is None else lin.weight
         bias = None if lin is None else lin.bias
         parts = [tensors[p] for p in (_gguf_parts(name, tied) if tensors else [])]

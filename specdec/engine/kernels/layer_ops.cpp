@@ -15,6 +15,9 @@
 
 namespace {
 
+// The fixed tree that ends every 8-strided sum here (a row's bits must not depend on anything but the row).
+inline float tree8(const float p[8]) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
+
 // RMSNorm of each row in one call: torch's F.rms_norm in float32, the cast and the weight multiply are ~8 tensor ops,
 // 50 us a call here, twice a layer. y = T(T(x * r) * w) with r = 1 / sqrt(mean(x^2) + eps) in float32, the sum of
 // squares in a fixed order (8 strided partial sums, then pairwise), so a row's bits depend on that row alone.
@@ -34,7 +37,7 @@ void rms_rows(const T* x, const T* w, int64_t M, int64_t D, float eps, T* y) {
         const float v = static_cast<float>(xr[d]);
         part[d % 8] += v * v;
       }
-      const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      const float sum = tree8(part);
       const float r = 1.f / std::sqrt(sum / static_cast<float>(D) + eps);
       for (d = 0; d < D; ++d) {
         const T normed = static_cast<T>(static_cast<float>(xr[d]) * r);
@@ -84,7 +87,7 @@ inline void dots8(const float* a, const float* const b[NK], int64_t n, float* ou
   for (; i < n; ++i)
     for (int k = 0; k < NK; ++k) acc[k][i % 8] += a[i] * b[k][i];
   for (int k = 0; k < NK; ++k)
-    out[k] = ((acc[k][0] + acc[k][1]) + (acc[k][2] + acc[k][3])) + ((acc[k][4] + acc[k][5]) + (acc[k][6] + acc[k][7]));
+    out[k] = tree8(acc[k]);
 }
 
 // exp(x) for the softmax's x = score - max <= 0, in float32 arithmetic a loop over keys vectorizes (the scalar
@@ -167,7 +170,7 @@ void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const floa
       for (j = 0; j + 8 <= L; j += 8)
         for (int u = 0; u < 8; ++u) part[u] += p[j + u];
       for (; j < L; ++j) part[j % 8] += p[j];
-      const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      const float sum = tree8(part);
       for (j = 0; j < L; ++j) p[j] = p[j] / sum;
       // o[d] += w_j * v_j[d] over j in order, up to 128 outputs at a time held in registers: as many independent
       // chains as registers allow (with 32 at a time the adds' latency bound a prefill's attention); heads of 64
