@@ -125,9 +125,10 @@ def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
 
 
 def attend_kernel(q, k_cache, v_cache, groups: list[AttnGroup]):
-    """One call per group of the C++ kernel (kernels/layer_ops.cpp `attend`): each (row, head) reads its own keys straight
+    """One call per group of the C++ kernel (kernels/layer_ops.cpp `attend`): each (row, head) reads its keys straight
     from the paged cache, in float32, in one fixed order, so a row's bits depend on that row alone (no padding or
-    tiles needed). Decode is dispatch-bound: this is one op where attend_gemm runs ~15."""
+    tiles needed); the rows and heads sharing a kv head share its reads. Decode is dispatch-bound: this is one op
+    where attend_gemm runs ~15."""
     T, H, hd = q.shape
     if q.stride(2) != 1 or q.stride(1) != hd:
         q = q.contiguous()

@@ -59,7 +59,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// Batch-invariant attention, one (row, head) at a time: the row's query against the keys it sees (its sequence's
+// Batch-invariant attention, each (row, head) on its own: the row's query against the keys it sees (its sequence's
 // slots 0..lens-1, read straight out of the paged float32 cache), softmax and the weighted sum of values, all in
 // float32 in one fixed order (8 strided partial sums per dot product, keys in position order). A row's bits depend on
 // that row alone: no padding, no tiles, no GEMM kernel picked by shape. It replaces ~15 tensor ops a layer (gathers,
@@ -78,6 +78,16 @@ inline void dots8(const float* a, const float* const b[NK], int64_t n, float* ou
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(a + i);
     for (int k = 0; k < NK; ++k) va[k] = _mm256_add_ps(va[k], _mm256_mul_ps(x, _mm256_loadu_ps(b[k] + i)));
+  }
+  if constexpr (NK == 8) {
+    if (i == n) {   // tree8 of the 8 keys at once, a key a lane (the scalar tree was a fifth of the kernel's time)
+      const __m256 h01 = _mm256_hadd_ps(va[0], va[1]), h23 = _mm256_hadd_ps(va[2], va[3]);
+      const __m256 h45 = _mm256_hadd_ps(va[4], va[5]), h67 = _mm256_hadd_ps(va[6], va[7]);
+      // lanes (p0 + p1) + (p2 + p3) of keys 0-3, then (p4 + p5) + (p6 + p7) of keys 0-3; the same for keys 4-7
+      const __m256 g0 = _mm256_hadd_ps(h01, h23), g1 = _mm256_hadd_ps(h45, h67);
+      _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31)));
+      return;
+    }
   }
   for (int k = 0; k < NK; ++k) _mm256_storeu_ps(acc[k], va[k]);
 #endif
@@ -120,74 +130,131 @@ constexpr int64_t WSUM = 128;   // outputs of a weighted sum held in registers: 
 constexpr int64_t WSUM = 64;    // 8 ymm
 #endif
 
-// o[d] = sum over keys j, in order, of p[j] * v[slot j][d] for D outputs (v: this head's first output, `stride` floats
-// between slots)
+// o[d] += p[j] * v[slot j][d] over keys j0 <= j < j1, in order, for D outputs held in registers (v: this head's first
+// output, `stride` floats between slots); o holds the sums over the keys before j0
+typedef float f16v __attribute__((vector_size(64)));   // 16 floats (two ymm where a CPU has no zmm)
+
 template <int64_t D>
-inline void weighted_sum(const float* p, const float* v, int64_t stride, const int64_t* sl, int64_t L, float* o) {
-  float acc[D] = {};
-  for (int64_t j = 0; j < L; ++j) {
+inline void weighted_sum(const float* p, const float* v, int64_t stride, const int64_t* sl, int64_t j0, int64_t j1,
+                         float* o) {
+  // explicit vectors: from the plain loop GCC kept the sums in memory and loaded every other value row by gathers
+  constexpr int64_t N = D / 16;
+  f16v acc[N];
+  for (int64_t n = 0; n < N; ++n) std::memcpy(&acc[n], o + 16 * n, sizeof(f16v));
+  for (int64_t j = j0; j < j1; ++j) {
     const float* vr = v + sl[j] * stride;
-    if (j + PF < L)
-      for (int64_t b = 0; b < D; b += 16) __builtin_prefetch(v + sl[j + PF] * stride + b);
-    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * vr[d];
+    const float w = p[j];
+    for (int64_t n = 0; n < N; ++n) {
+      f16v x;
+      std::memcpy(&x, vr + 16 * n, sizeof x);
+      acc[n] += w * x;
+    }
   }
-  std::copy(acc, acc + D, o);
+  for (int64_t n = 0; n < N; ++n) std::memcpy(o + 16 * n, &acc[n], sizeof(f16v));
 }
 
+constexpr int64_t VB = 16;     // keys a block of the weighted sums: their value rows stay in L1 for every query
+constexpr int64_t RC = 16;      // rows a work unit at most (its scores: RC x heads a kv head x keys floats)
+
+// A work unit is one sequence's kv head for a chunk of its rows and the query heads that share that kv head (GQA): it
+// reads each key and value row from memory once for all of them, where one (row, head) at a time read them once per
+// query (SmolLM2: 3 heads a kv head, and a verify's rows all see the same keys). Each query's arithmetic is exactly
+// the one-query loop's (the same dots, softmax and sums in the same order), so a row's bits depend on that row alone.
 template <typename T>
 void attend_rows(const T* q, int64_t q_stride, int64_t H, int64_t hd, const float* k, const float* v, int64_t Hkv,
                  const int64_t* rows, const int64_t* slots, const int64_t* lens, int64_t Sm, int64_t m, int64_t Lp,
                  float scale, T* out) {
-  const int64_t g = H / Hkv;
-  at::parallel_for(0, Sm * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> p(Lp), qf(hd), o(hd);
+  const int64_t g = H / Hkv, S = Sm / m;
+  // split rows (then heads) until there are a few units a thread, so that a decode of one sequence keeps both cores
+  const int64_t want = 4 * at::get_num_threads();
+  int64_t rc = std::min(m, RC), hs = g;
+  while (rc > 1 && S * Hkv * ((m + rc - 1) / rc) < want) rc = (rc + 1) / 2;
+  if (S * Hkv * ((m + rc - 1) / rc) < want) hs = 1;
+  const int64_t nrc = (m + rc - 1) / rc, nhs = g / hs;
+  at::parallel_for(0, S * Hkv * nrc * nhs, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> p(rc * hs * Lp), qf(rc * hs * hd), o(rc * hs * hd);
+    std::vector<int64_t> qrow(rc * hs), qh(rc * hs), ql(rc * hs);
     for (int64_t it = i0; it < i1; ++it) {
-      const int64_t rm = it / H, h = it % H, row = rows[rm], L = lens[rm];
-      if (row < 0 || L <= 0) continue;                 // a padding row of the group
-      const int64_t* sl = slots + (rm / m) * Lp;
-      const int64_t kvh = h / g;
-      for (int64_t d = 0; d < hd; ++d) qf[d] = static_cast<float>(q[row * q_stride + h * hd + d]);
-      float mx = -INFINITY;
-      int64_t j = 0;
-      for (; j + NK <= L; j += NK) {
+      const int64_t s = it / (Hkv * nrc * nhs), kvh = it / (nrc * nhs) % Hkv, r0 = it / nhs % nrc * rc;
+      const int64_t h0 = kvh * g + it % nhs * hs;
+      const int64_t* sl = slots + s * Lp;
+      int64_t nq = 0, Lmax = 0;                        // this unit's queries: (row, head), keys each sees
+      for (int64_t r = r0; r < std::min(m, r0 + rc); ++r) {
+        const int64_t row = rows[s * m + r], L = lens[s * m + r];
+        if (row < 0 || L <= 0) continue;               // a padding row of the group
+        for (int64_t h = h0; h < h0 + hs; ++h, ++nq) {
+          qrow[nq] = row, qh[nq] = h, ql[nq] = L;
+          for (int64_t d = 0; d < hd; ++d) qf[nq * hd + d] = static_cast<float>(q[row * q_stride + h * hd + d]);
+        }
+        Lmax = std::max(Lmax, L);
+      }
+      // scores: NK keys at a time for every query that sees them all, one at a time at a query's last keys
+      for (int64_t j = 0; j < Lmax; j += NK) {
         const float* keys[NK];
-        for (int u = 0; u < NK; ++u) keys[u] = k + (sl[j + u] * Hkv + kvh) * hd;
-        if (j + PF + NK <= L)   // keys PF ahead: the cache was written a step ago, and the weights evicted it since
+        for (int u = 0; u < NK; ++u) keys[u] = k + (sl[std::min(j + u, Lmax - 1)] * Hkv + kvh) * hd;
+        if (j + PF + NK <= Lmax)   // keys PF ahead: the cache was written a step ago, and the weights evicted it since
           for (int64_t u = j + PF; u < j + PF + NK; ++u)
             for (int64_t b = 0; b < hd; b += 16) __builtin_prefetch(k + (sl[u] * Hkv + kvh) * hd + b);
-        dots8<NK>(qf.data(), keys, hd, &p[j]);
+        for (int64_t i = 0; i < nq; ++i) {
+          float* pi = p.data() + i * Lp;
+          if (j + NK <= ql[i])
+            dots8<NK>(qf.data() + i * hd, keys, hd, pi + j);
+          else
+            for (int64_t u = j; u < ql[i]; ++u) dots8<1>(qf.data() + i * hd, &keys[u - j], hd, pi + u);
+        }
       }
-      for (; j < L; ++j) {
-        const float* key[1] = {k + (sl[j] * Hkv + kvh) * hd};
-        dots8<1>(qf.data(), key, hd, &p[j]);
+      for (int64_t i = 0; i < nq; ++i) {              // softmax of each query's scores
+        float* pi = p.data() + i * Lp;
+        const int64_t L = ql[i];
+        float m8[8];                                   // the max in 8 strided parts (it vectorizes; max is exact)
+        std::fill(m8, m8 + 8, -INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8)
+          for (int u = 0; u < 8; ++u) {
+            pi[j + u] *= scale;
+            m8[u] = std::max(m8[u], pi[j + u]);
+          }
+        for (; j < L; ++j) {
+          pi[j] *= scale;
+          m8[0] = std::max(m8[0], pi[j]);
+        }
+        const float mx = *std::max_element(m8, m8 + 8);
+        for (j = 0; j < L; ++j) pi[j] = exp_le0(pi[j] - mx);
+        float part[8] = {};                            // 8 strided partial sums, then a fixed tree (as dots8)
+        for (j = 0; j + 8 <= L; j += 8)
+          for (int u = 0; u < 8; ++u) part[u] += pi[j + u];
+        for (; j < L; ++j) part[j % 8] += pi[j];
+        const float sum = tree8(part);
+        for (j = 0; j < L; ++j) pi[j] = pi[j] / sum;
       }
-      for (j = 0; j < L; ++j) {
-        p[j] *= scale;
-        mx = std::max(mx, p[j]);
+      // o[d] += w_j * v_j[d] over j in order, VB keys at a time for every query, up to 128 outputs at a time held in
+      // registers: as many independent chains as registers allow (with 32 at a time the adds' latency bound a
+      // prefill's attention); heads of 64 (SmolLM2) take 64 at a time rather than two passes of 32 over the keys
+      std::fill(o.begin(), o.begin() + nq * hd, 0.f);
+      const float* vh = v + kvh * hd;
+      const int64_t vb = nq > 1 ? VB : Lmax;           // (one query: nothing to share, no blocks)
+      for (int64_t j0 = 0; j0 < Lmax; j0 += vb) {
+        for (int64_t u = j0 + vb; u < std::min(j0 + 2 * vb, Lmax); ++u)   // the next block's values
+          for (int64_t b = 0; b < hd; b += 16) __builtin_prefetch(vh + sl[u] * Hkv * hd + b);
+        for (int64_t i = 0; i < nq; ++i) {
+          const int64_t j1 = std::min(j0 + vb, ql[i]);
+          if (j1 <= j0) continue;
+          const float* pi = p.data() + i * Lp;
+          float* oi = o.data() + i * hd;
+          int64_t d0 = 0;
+          if (hd % WSUM == 0)
+            for (; d0 < hd; d0 += WSUM) weighted_sum<WSUM>(pi, vh + d0, Hkv * hd, sl, j0, j1, oi + d0);
+          else if (WSUM > 64 && hd % 64 == 0)
+            for (; d0 < hd; d0 += 64) weighted_sum<64>(pi, vh + d0, Hkv * hd, sl, j0, j1, oi + d0);
+          for (; d0 + 32 <= hd; d0 += 32) weighted_sum<32>(pi, vh + d0, Hkv * hd, sl, j0, j1, oi + d0);
+          for (int64_t d = d0; d < hd; ++d)
+            for (int64_t j = j0; j < j1; ++j) oi[d] += pi[j] * vh[sl[j] * Hkv * hd + d];
+        }
       }
-      for (j = 0; j < L; ++j) p[j] = exp_le0(p[j] - mx);
-      float part[8] = {};                              // 8 strided partial sums, then a fixed tree (as dots8)
-      for (j = 0; j + 8 <= L; j += 8)
-        for (int u = 0; u < 8; ++u) part[u] += p[j + u];
-      for (; j < L; ++j) part[j % 8] += p[j];
-      const float sum = tree8(part);
-      for (j = 0; j < L; ++j) p[j] = p[j] / sum;
-      // o[d] += w_j * v_j[d] over j in order, up to 128 outputs at a time held in registers: as many independent
-      // chains as registers allow (with 32 at a time the adds' latency bound a prefill's attention); heads of 64
-      // (SmolLM2) take 64 at a time rather than two passes of 32 over the keys
-      int64_t d0 = 0;
-      if (hd % WSUM == 0)
-        for (; d0 < hd; d0 += WSUM) weighted_sum<WSUM>(p.data(), v + kvh * hd + d0, Hkv * hd, sl, L, o.data() + d0);
-      else if (WSUM > 64 && hd % 64 == 0)
-        for (; d0 < hd; d0 += 64) weighted_sum<64>(p.data(), v + kvh * hd + d0, Hkv * hd, sl, L, o.data() + d0);
-      for (; d0 + 32 <= hd; d0 += 32) weighted_sum<32>(p.data(), v + kvh * hd + d0, Hkv * hd, sl, L, o.data() + d0);
-      for (int64_t d = d0; d < hd; ++d) {
-        float acc = 0.f;
-        for (j = 0; j < L; ++j) acc += p[j] * v[(sl[j] * Hkv + kvh) * hd + d];
-        o[d] = acc;
+      for (int64_t i = 0; i < nq; ++i) {
+        T* orow = out + qrow[i] * H * hd + qh[i] * hd;
+        for (int64_t d = 0; d < hd; ++d) orow[d] = static_cast<T>(o[i * hd + d]);
       }
-      T* orow = out + row * H * hd + h * hd;
-      for (int64_t d = 0; d < hd; ++d) orow[d] = static_cast<T>(o[d]);
     }
   });
 }
