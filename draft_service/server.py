@@ -311,6 +311,7 @@ def make_drafter_from_args(args: argparse.Namespace) -> Drafter:
 
 async def serve(args: argparse.Namespace) -> None:
     """Load the drafter, serve until SIGTERM/SIGINT, then drain: health NOT_SERVING, in-flight calls get 5 s."""
+    compute.keep_freed_memory()
     if args.threads:
         import torch
         await compute.run(torch.set_num_threads, args.threads)

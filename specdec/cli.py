@@ -169,7 +169,9 @@ def _generate(args, lm) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .compute import keep_freed_memory
     from .errors import SpecdecError
+    keep_freed_memory()
 
     ap = argparse.ArgumentParser(prog="specdec", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -103,6 +103,7 @@ async def serve(args) -> int:
     from specdec import compute
     from specdec.engine.backend import open_backend
 
+    compute.keep_freed_memory()
     # Every torch call of this process runs on one thread (specdec/compute.py: OpenMP is slow across threads).
     if args.threads:
         await compute.run(torch.set_num_threads, args.threads)

@@ -45,3 +45,28 @@ def test_scheduler_runs_every_forward_on_the_compute_thread():
 
     assert asyncio.run(run()) == [200, 200, 200]
     assert len(threads) > 3 and all(threads)
+
+
+def test_freed_heap_memory_is_kept_for_the_next_step(tmp_path):
+    """keep_freed_memory: 100 MB of 100 kB blocks freed stay in the process (the next step reuses them without
+    faulting pages in); without it glibc gives them back to the kernel at once. In a fresh process each way."""
+    import platform
+    import subprocess
+    import sys
+    if platform.libc_ver()[0] != "glibc":
+        import pytest
+        pytest.skip("mallopt(M_TRIM_THRESHOLD) is glibc's")
+    script = tmp_path / "heap.py"
+    script.write_text(
+        "import sys\n"
+        "from specdec.compute import keep_freed_memory\n"
+        "if sys.argv[1] == '1':\n"
+        "    assert keep_freed_memory()\n"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096\n"
+        "blocks = [bytearray(b'x' * 100_000) for _ in range(1000)]\n"
+        "before = rss()\n"
+        "del blocks\n"
+        "print((before - rss()) / 2 ** 20)\n")
+    given_back = {k: float(subprocess.run([sys.executable, str(script), k], capture_output=True, text=True,
+                                          check=True).stdout) for k in ("0", "1")}
+    assert given_back["0"] > 50 and given_back["1"] < 5, given_back

@@ -84,3 +84,30 @@ def test_smollm2_prepacked_forward_is_bitwise_the_plain_one(monkeypatch):
     assert sum(prepack.is_prepacked(p) for p in model.parameters()) == 4 * model.cfg.n_layers
     for a, b in zip(_logits(e_plain, model.cfg.vocab_size), _logits(e_packed, model.cfg.vocab_size)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["block", "eagle"])
+def test_block_drafter_linears_prepacked_give_the_same_drafts(kind, monkeypatch, tmp_path):
+    """The drafter's own nn.Linears (prepack_modules, as BlockDrafter does): every slot's logits and confidence are
+    bitwise the plain module's, and a checkpoint written from the packed model is the plain one's."""
+    from specdec.draft.block import BlockDrafter, random_drafter_model, save_checkpoint
+    target = load("tiny-llama", "bfloat16").model
+    plain = random_drafter_model(target, kind=kind, draft_vocab=64, gamma=4, window=8, ffn_dim=96).bfloat16()
+    with torch.no_grad():          # trans starts at zero (a no-op correction): give it weights to multiply
+        plain.trans.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    packed = BlockDrafter(copy.deepcopy(plain), target, features="wire").model
+    assert sum(isinstance(m, prepack.PackedLinear) for m in packed.modules()) == 6 + 4 * plain.cfg.n_layers   # fc recur head corr trans conf
+    assert not any(isinstance(m, prepack.PackedLinear) for m in plain.modules())
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 8, len(plain.cfg.layers) * plain.cfg.dim, generator=g).bfloat16()
+    nxt = torch.randint(0, 64, (3, 8), generator=g)
+    valid = torch.ones(3, 8, dtype=torch.bool)
+    valid[0, :5] = False                                              # a short context, left-padded
+    prev = torch.randint(0, 64, (3, 4), generator=g)
+    with torch.inference_mode():
+        for a, b in zip(plain.forward_train(feats, nxt, valid, prev), packed.forward_train(feats, nxt, valid, prev)):
+            assert torch.equal(a, b)
+    save_checkpoint(plain, tmp_path / "plain")
+    save_checkpoint(packed, tmp_path / "packed")
+    assert (tmp_path / "plain" / "drafter.safetensors").read_bytes() == \
+        (tmp_path / "packed" / "drafter.safetensors").read_bytes()

@@ -37,7 +37,7 @@ from torch import nn
 from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer, rms_norm, rope, rotary_tables
-from ..engine.prepack import dense
+from ..engine.prepack import dense, prepack_modules
 from ..engine.quant import GGUFRows, QLinear
 from ..speculative.accept import Mode, draft_sample
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
@@ -221,7 +221,7 @@ def save_checkpoint(model: BlockDraftModel, path: str | Path, extra: dict | None
     from safetensors.torch import save_file
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.trainable_state().items()},
+    save_file({k: dense(v.detach()).contiguous().cpu() for k, v in model.trainable_state().items()},
               str(path / "drafter.safetensors"))
     (path / "config.json").write_text(json.dumps({**model.cfg.to_json(), **(extra or {})}, indent=1))
 
@@ -386,6 +386,7 @@ class BlockDrafter(Drafter):
     def __init__(self, model: BlockDraftModel, target: Transformer, *, tap: bool = True, kv_tokens: int = 8192,
                  features: str = "local"):
         self.model = model.eval()
+        prepack_modules(self.model)        # bf16 linears reordered once for oneDNN, not on every call (prepack.py)
         self.cfg = model.cfg
         self.name = f"block-{self.cfg.kind}"
         self.V = target.cfg.vocab_size

@@ -13,7 +13,9 @@ where, for random rows, the packed product equals F.linear bitwise at every row 
 shape, bias, dtype and thread count: what the kernel choice depends on); elsewhere it stays as it is. The engine's
 outputs are then those of the unpacked model. A tied embedding stays plain: the lookup needs its rows, and a packed
 copy for the output GEMM (SmolLM2) took 1 ms off a 31 ms decode step for ~100 MB more memory. Only bf16 weights on
-CPU are packed (the case measured; float32 and fp16 linears go through other GEMMs).
+CPU are packed (the case measured; float32 and fp16 linears go through other GEMMs). `prepack_modules` does the same
+for modules whose nn.Linears are called directly (the block drafter's: 8 requests' 4-slot draft 6.2 -> 5.1 ms, one
+request 2.4 -> 1.7 ms, on a Zen 5 EPYC).
 """
 from __future__ import annotations
 
@@ -75,6 +77,33 @@ def prepack_linears(model) -> int:
                 m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
             n += 1
     return n
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear whose weight is prepacked (any leading dims of x, as nn.Linear): for modules that call their
+    linears themselves rather than through quant.linear (the block drafter's)."""
+
+    def __init__(self, m: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = m.in_features, m.out_features
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1), requires_grad=False)
+        self.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return prepacked_linear(x, self.weight, self.bias)
+
+
+def prepack_modules(module: nn.Module) -> int:
+    """Replace every nn.Linear inside `module` by a PackedLinear where the packed product keeps F.linear's bits (the
+    same check as prepack_linears); for inference only (a packed weight has no gradient). Returns how many."""
+    if not available():
+        return 0
+    swaps = [(parent, name, m) for parent in module.modules() for name, m in parent.named_children()
+             if type(m) is nn.Linear and _packable(m.weight)
+             and (m.bias is None or m.bias.dtype == m.weight.dtype) and _same_bits(m.weight, m.bias)]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child))
+    return len(swaps)
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
