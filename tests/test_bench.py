@@ -29,6 +29,36 @@ def test_summarize_arithmetic():
     assert alpha_token([0.5, 0.25, 0.125]) == pytest.approx(0.5)   # iid: a_j = alpha^j
 
 
+def test_served_bench_alternates_the_order_of_its_runs():
+    """bench --url: each part of the prompts runs under every configuration, baseline first on even parts and last
+    on odd ones, and each configuration's figures add up its parts (the runner here only records what it was asked:
+    the order is the point; the real runs go through a live stack)."""
+    import argparse
+
+    from specdec.bench.main import bench_rest
+    from specdec.speculative.sampling import SamplingParams
+    calls = []
+
+    def runner(url, chunk, *, max_tokens, concurrency, params, speculative, desc):
+        calls.append((None if speculative is None else speculative["gamma"], [it["prompt"] for it in chunk]))
+        n = len(chunk)
+        return ([RequestRecord(10, 5 if speculative else 10, 0, 0, [], []) for _ in chunk],
+                [StepRecord(1.0, 2.0, 0.5, 4)] * n, 0.1 * n if speculative else 0.2 * n)
+
+    items = [{"prompt": f"p{i}"} for i in range(6)]
+    args = argparse.Namespace(url="http://x", max_tokens=8, concurrency=2, acceptance=None, rounds=2)
+    res = bench_rest(runner, args, items, SamplingParams(), [4, 2])
+    assert [g for g, _ in calls] == [None, 4, 2, 2, 4, None]
+    assert [c for _, c in calls] == [["p0", "p1", "p2"]] * 3 + [["p3", "p4", "p5"]] * 3
+    base, spec = res["baseline (speculation off)"], res["speculative gamma=4"]
+    assert base["requests"] == spec["requests"] == 6 and base["wall_s"] == pytest.approx(1.2)
+    assert spec["speedup"] == pytest.approx(2.0)
+    args.rounds = 1
+    calls.clear()
+    bench_rest(runner, args, items, SamplingParams(), [4])
+    assert [g for g, _ in calls] == [None, 4] and calls[0][1] == [f"p{i}" for i in range(6)]
+
+
 def test_bench_in_process_json(tmp_path):
     out = tmp_path / "b.json"
     r = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--target", "tiny-llama", "--draft",

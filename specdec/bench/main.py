@@ -83,12 +83,7 @@ def cmd_bench(args) -> int:
     peer, llama = None, None
     if args.url:
         from .run import run_rest
-        base = summarize(*_rest(run_rest, args, items, params, None, "baseline"), gamma=1)
-        results["baseline (speculation off)"] = base
-        for g in gammas:
-            spec = {"enabled": True, "gamma": g, **({"acceptance": args.acceptance} if args.acceptance else {})}
-            recs, steps, wall = _rest(run_rest, args, items, params, spec, f"gamma {g}")
-            results[f"speculative gamma={g}"] = summarize(recs, steps, wall, g, base)
+        results.update(bench_rest(run_rest, args, items, params, gammas))
     else:
         import torch
 
@@ -203,9 +198,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _rest(run_rest, args, items, params, spec, desc):
-    return run_rest(args.url, items, max_tokens=args.max_tokens, concurrency=args.concurrency, params=params,
-                    speculative=spec, desc=desc)
+def bench_rest(run_rest, args, items, params, gammas: list[int]) -> dict[str, dict]:
+    """Through a running stack: the prompts in `args.rounds` consecutive parts, each run under every configuration,
+    in turn forwards and backwards (baseline, gamma..., then gamma..., baseline: drift in the machine's load over the
+    run hits both alike; one part, the baseline always first, moved served ratios by up to 8% between repeats)."""
+    configs = [("baseline (speculation off)", None, 1)] + [
+        (f"speculative gamma={g}", {"enabled": True, "gamma": g,
+                                    **({"acceptance": args.acceptance} if args.acceptance else {})}, g)
+        for g in gammas]
+    parts = max(1, min(args.rounds, len(items)))
+    acc = {name: ([], [], 0.0) for name, _, _ in configs}
+    for k in range(parts):
+        chunk = items[k * len(items) // parts:(k + 1) * len(items) // parts]
+        for name, spec, _ in configs if k % 2 == 0 else configs[::-1]:
+            recs, steps, wall = run_rest(args.url, chunk, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                                         params=params, speculative=spec,
+                                         desc=name + (f" ({k + 1}/{parts})" if parts > 1 else ""))
+            r, s, w = acc[name]
+            acc[name] = (r + recs, s + steps, w + wall)
+    base = summarize(*acc[configs[0][0]], gamma=1)
+    return {configs[0][0]: base, **{name: summarize(*acc[name], g, base) for name, _, g in configs[1:]}}
 
 
 def cmd_trace_summarize(args) -> int:
@@ -263,6 +275,9 @@ def add_parsers(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens (steadier timing)")
     b.add_argument("--concurrency", type=int, default=1)
+    b.add_argument("--rounds", type=int, default=2,
+                   help="with --url: the prompts in this many parts, each under every configuration, the order "
+                        "reversed every other part (1: the baseline over all prompts, then each gamma)")
     b.add_argument("--gamma", default="4", help="one or more, comma-separated")
     b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"],
                    help="unset: coupled in process, the server's default with --url")

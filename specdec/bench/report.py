@@ -35,6 +35,13 @@ def pct(xs, q) -> float | None:
     return float(np.percentile(xs, q)) if len(xs) else None
 
 
+def _mean_attr(steps, name: str) -> float | None:
+    """A per-step figure a run attaches to its steps' record (one record object shared by a run's steps), averaged
+    over every step of the runs summarized together."""
+    vals = [getattr(s, name) for s in steps if hasattr(s, name)]
+    return float(np.mean(vals)) if vals else None
+
+
 def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float, gamma: int,
               baseline: dict | None = None) -> dict:
     tokens = sum(r.tokens for r in reqs)
@@ -64,7 +71,7 @@ def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float,
         "other_ms_per_step": float(np.mean([s.other_ms for s in steps])) if steps else 0.0,
         "rows_per_step": float(np.mean([s.rows for s in steps])) if steps else 0.0,
         "gamma": gamma,
-        "store_round_trips_per_step": getattr(steps[0], "store_round_trips_per_step", None) if steps else None,
+        "store_round_trips_per_step": _mean_attr(steps, "store_round_trips_per_step"),
         "_itl": itl,     # raw samples for plots; dropped from the JSON
     }
     out["alpha_token"] = alpha_token(out["per_position_acceptance"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from typing import Callable, TextIO
 
@@ -49,15 +50,17 @@ class GenOutput:
 
 
 class TraceWriter:
-    """JSONL, one record per request per verify step."""
+    """JSONL, one record per request per verify step; `t`: when the step's record was written (wall clock, seconds),
+    so the time between steps (admission, streaming, the store) shows beside the step's own phases."""
 
     def __init__(self, f: TextIO):
         self.f, self.step = f, 0
 
     def write(self, reqs: list[SpecRequest], info: StepInfo, commit_ms: float | None = None) -> None:
+        t = time.time()
         for i, r in enumerate(reqs):
             self.f.write(json.dumps({
-                "step": self.step, "request": r.rid, "batch": len(reqs), "verify_len": info.verify_len[i],
+                "step": self.step, "t": round(t, 4), "request": r.rid, "batch": len(reqs), "verify_len": info.verify_len[i],
                 "layout_rows": info.rows, "accepted": info.accepted[i], "emitted": len(info.emitted[i]),
                 "mode": r.mode.value, "seeded": r.params.seed is not None, "draft_ok": info.draft_ok,
                 "draft_ms": round(info.draft_ms, 3), "verify_ms": round(info.verify_ms, 3),
