@@ -132,28 +132,28 @@ constexpr int64_t WSUM = 64;    // 8 ymm
 
 // o[d] += p[j] * v[slot j][d] over keys j0 <= j < j1, in order, for D outputs held in registers (v: this head's first
 // output, `stride` floats between slots); o holds the sums over the keys before j0
-typedef float f16v __attribute__((vector_size(64)));   // 16 floats (two ymm where a CPU has no zmm)
+typedef float v16f __attribute__((vector_size(64)));   // 16 floats (two ymm where a CPU has no zmm)
 
 template <int64_t D>
 inline void weighted_sum(const float* p, const float* v, int64_t stride, const int64_t* sl, int64_t j0, int64_t j1,
                          float* o) {
   // explicit vectors: from the plain loop GCC kept the sums in memory and loaded every other value row by gathers
   constexpr int64_t N = D / 16;
-  f16v acc[N];
-  for (int64_t n = 0; n < N; ++n) std::memcpy(&acc[n], o + 16 * n, sizeof(f16v));
+  v16f acc[N];
+  for (int64_t n = 0; n < N; ++n) std::memcpy(&acc[n], o + 16 * n, sizeof(v16f));
   for (int64_t j = j0; j < j1; ++j) {
     const float* vr = v + sl[j] * stride;
     const float w = p[j];
     for (int64_t n = 0; n < N; ++n) {
-      f16v x;
+      v16f x;
       std::memcpy(&x, vr + 16 * n, sizeof x);
       acc[n] += w * x;
     }
   }
-  for (int64_t n = 0; n < N; ++n) std::memcpy(o + 16 * n, &acc[n], sizeof(f16v));
+  for (int64_t n = 0; n < N; ++n) std::memcpy(o + 16 * n, &acc[n], sizeof(v16f));
 }
 
-constexpr int64_t VB = 16;     // keys a block of the weighted sums: their value rows stay in L1 for every query
+constexpr int64_t VB = 16;      // keys a block of the weighted sums: their value rows stay in L1 for every query
 constexpr int64_t RC = 16;      // rows a work unit at most (its scores: RC x heads a kv head x keys floats)
 
 // A work unit is one sequence's kv head for a chunk of its rows and the query heads that share that kv head (GQA): it
