@@ -96,7 +96,8 @@ def test_block_drafter_linears_prepacked_give_the_same_drafts(kind, monkeypatch,
     with torch.no_grad():          # trans starts at zero (a no-op correction): give it weights to multiply
         plain.trans.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     packed = BlockDrafter(copy.deepcopy(plain), target, features="wire").model
-    assert sum(isinstance(m, prepack.PackedLinear) for m in packed.modules()) == 6 + 4 * plain.cfg.n_layers   # fc recur head corr trans conf
+    # fc, recur, head, corr, trans, conf and each layer's qkv, o, up, down
+    assert sum(isinstance(m, prepack.PackedLinear) for m in packed.modules()) == 6 + 4 * plain.cfg.n_layers
     assert not any(isinstance(m, prepack.PackedLinear) for m in plain.modules())
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(3, 8, len(plain.cfg.layers) * plain.cfg.dim, generator=g).bfloat16()

@@ -12,7 +12,8 @@ The engine's determinism rests on the linears' bits (batch invariance, row_tiles
 where, for random rows, the packed product equals F.linear bitwise at every row count PROBE_COUNTS tries (once per
 shape, bias, dtype and thread count: what the kernel choice depends on); elsewhere it stays as it is. The engine's
 outputs are then those of the unpacked model. A tied embedding stays plain: the lookup needs its rows, and a packed
-copy for the output GEMM (SmolLM2) took 1 ms off a 31 ms decode step for ~100 MB more memory. Only bf16 weights on
+copy for the output GEMM costs the embedding's size again (SmolLM2: 57 MB for 0.5-1 ms of a 13-19 ms forward on a
+Zen 5 EPYC, 1 of 31 ms on a Zen 4; Qwen 1.5B: 467 MB). Only bf16 weights on
 CPU are packed (the case measured; float32 and fp16 linears go through other GEMMs). `prepack_modules` does the same
 for modules whose nn.Linears are called directly (the block drafter's: 8 requests' 4-slot draft 6.2 -> 5.1 ms, one
 request 2.4 -> 1.7 ms, on a Zen 5 EPYC).

@@ -60,8 +60,9 @@ class TraceWriter:
         t = time.time()
         for i, r in enumerate(reqs):
             self.f.write(json.dumps({
-                "step": self.step, "t": round(t, 4), "request": r.rid, "batch": len(reqs), "verify_len": info.verify_len[i],
-                "layout_rows": info.rows, "accepted": info.accepted[i], "emitted": len(info.emitted[i]),
+                "step": self.step, "t": round(t, 4), "request": r.rid, "batch": len(reqs),
+                "verify_len": info.verify_len[i], "layout_rows": info.rows, "accepted": info.accepted[i],
+                "emitted": len(info.emitted[i]),
                 "mode": r.mode.value, "seeded": r.params.seed is not None, "draft_ok": info.draft_ok,
                 "draft_ms": round(info.draft_ms, 3), "verify_ms": round(info.verify_ms, 3),
                 "accept_ms": round(info.accept_ms, 3),
