@@ -63,6 +63,15 @@ def _same_bits(w: torch.Tensor, b: torch.Tensor | None) -> bool:
     return _agrees[key]
 
 
+def _keeps_bits(w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """May this linear's weight be packed: a bf16 CPU matrix (bias of its dtype) whose packed product is F.linear's."""
+    return _packable(w) and (b is None or b.dtype == w.dtype) and _same_bits(w, b)
+
+
+def _packed(w: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
+
+
 def prepack_linears(model) -> int:
     """Pack the block linears and an untied lm_head of `model` in place where it keeps F.linear's bits; idempotent
     (an engine built again on the same model, e.g. a draft's feature engine, finds them packed). Returns how many."""
@@ -72,10 +81,8 @@ def prepack_linears(model) -> int:
     for m in model.linears().values():
         if m is None:                     # a tied head: the embedding, which stays plain
             continue
-        w, b = m.weight, getattr(m, "bias", None)
-        if _packable(w) and (b is None or b.dtype == w.dtype) and _same_bits(w, b):
-            with torch.no_grad():
-                m.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
+        if _keeps_bits(m.weight, getattr(m, "bias", None)):
+            m.weight = _packed(m.weight)
             n += 1
     return n
 
@@ -87,7 +94,7 @@ class PackedLinear(nn.Module):
     def __init__(self, m: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = m.in_features, m.out_features
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1), requires_grad=False)
+        self.weight = _packed(m.weight)
         self.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +107,7 @@ def prepack_modules(module: nn.Module) -> int:
     if not available():
         return 0
     swaps = [(parent, name, m) for parent in module.modules() for name, m in parent.named_children()
-             if type(m) is nn.Linear and _packable(m.weight)
-             and (m.bias is None or m.bias.dtype == m.weight.dtype) and _same_bits(m.weight, m.bias)]
+             if type(m) is nn.Linear and _keeps_bits(m.weight, m.bias)]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
