@@ -14,7 +14,7 @@ from specdec.engine.loader import to_hf_state_dict
 from specdec.engine.registry import load
 from tests.conftest import random_prompt
 
-pytestmark = pytest.mark.skipif(not prepack.available(), reason="this torch build has no oneDNN")
+pytestmark = pytest.mark.skipif(not prepack.available(), reason="no oneDNN bf16 reorder in this torch build or on this CPU (AVX2 only)")
 
 
 def _logits(engine: Engine, vocab: int) -> list[torch.Tensor]:

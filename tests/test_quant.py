@@ -333,6 +333,25 @@ def test_kernel_refused_clearly_without_avx2(monkeypatch):
         kernels.available.cache_clear()
 
 
+def test_kernel_build_lock_left_by_a_killed_process_does_not_hang_the_next():
+    """torch's build lock (a file `lock` in the build folder) outlives a process killed while building; a server
+    started after that must still load the kernels (it used to wait on the file for good: `make run` stopped during
+    the first build, then every start hung)."""
+    import subprocess
+    import sys
+    from specdec.engine import kernels
+    if not kernels.available():
+        pytest.skip("this CPU does not build the kernels")
+    stale = kernels.build_dir() / "lock"
+    stale.touch()
+    try:
+        out = subprocess.run([sys.executable, "-c", "from specdec.engine import kernels; print(kernels.available())"],
+                             capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    finally:
+        stale.unlink(missing_ok=True)
+    assert out.stdout.strip() == "True", out.stderr
+
+
 def test_unknown_mode_and_float64_are_refused():
     from specdec.errors import ModelError
     with pytest.raises(ModelError):

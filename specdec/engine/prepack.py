@@ -20,6 +20,8 @@ request 2.4 -> 1.7 ms, on a Zen 5 EPYC).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -27,8 +29,17 @@ PROBE_COUNTS = (1, 2, 3, 8, 17, 33, 65, 130)
 _agrees: dict[tuple, bool] = {}     # (shape, has bias, dtype, threads) -> packed product == F.linear, bitwise
 
 
+@functools.cache
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN's bf16 reorder exists in this build and runs on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT:
+    on an AVX2-only Zen 3 EPYC it raises, and every bf16 linear stays plain there)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def is_prepacked(w) -> bool:

@@ -13,6 +13,7 @@ multiplies it in int8 with VNNI (or AVX2), as llama.cpp does.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -35,20 +36,29 @@ def _cpu_flags() -> str:
     return ""
 
 
+def _extra_cflags() -> list[str]:
+    # SPECDEC_KERNEL_CFLAGS: extra compiler flags, e.g. "-mno-avx512vnni" to build (and test) the AVX2 path
+    return os.environ.get("SPECDEC_KERNEL_CFLAGS", "").split()
+
+
+def build_dir() -> Path:
+    """Where the kernels are built: one folder per source, torch version, CPU and flags."""
+    from ..assets import cache_dir
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + torch.__version__.encode()
+                         + _cpu_flags().encode() + " ".join(_extra_cflags()).encode()).hexdigest()[:12]
+    return cache_dir() / "kernels" / f"qdot-{key}"
+
+
 @functools.cache
 def _load() -> None:
     from torch.utils import cpp_extension
 
-    from ..assets import cache_dir
     flags = _cpu_flags()
     if " avx2" not in flags or " fma" not in flags:
         raise ModelError("the int8-activation kernels need a CPU with AVX2 and FMA", field="quant",
                          remedy="use --quant int4 or int8 (PyTorch's weight-only kernels)")
-    # SPECDEC_KERNEL_CFLAGS: extra compiler flags, e.g. "-mno-avx512vnni" to build (and test) the AVX2 path
-    extra = os.environ.get("SPECDEC_KERNEL_CFLAGS", "").split()
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + torch.__version__.encode() + flags.encode()
-                         + " ".join(extra).encode()).hexdigest()[:12]
-    build = cache_dir() / "kernels" / f"qdot-{key}"
+    extra = _extra_cflags()
+    build = build_dir()
     build.mkdir(parents=True, exist_ok=True)
     try:   # the ninja package's binary, where PATH lacks one (a venv run without activating it)
         import ninja
@@ -56,9 +66,15 @@ def _load() -> None:
     except ImportError:
         pass
     try:
-        cpp_extension.load(name="specdec_qdot", sources=[str(f) for f in SOURCES], build_directory=str(build),
-                           extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra],
-                           is_python_module=False, verbose=os.environ.get("SPECDEC_VERBOSE_BUILD") == "1")
+        # torch's own build lock is a file that only its creator removes: a process killed mid-build (a server
+        # stopped during its first start) left every later one waiting on it for good. An flock is released when its
+        # holder dies; under it no other process of ours is building, so a `lock` file found there is stale.
+        with open(build / "specdec.lock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            cpp_extension.load(name="specdec_qdot", sources=[str(f) for f in SOURCES], build_directory=str(build),
+                               extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra],
+                               is_python_module=False, verbose=os.environ.get("SPECDEC_VERBOSE_BUILD") == "1")
     except Exception as e:   # no compiler / ninja: say so rather than fail deep inside a forward
         raise ModelError(f"could not build the int8-activation kernels: {e}", field="quant",
                          remedy="install a C++ compiler (g++) and ninja, or use --quant int4 / int8") from None
