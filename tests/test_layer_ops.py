@@ -31,6 +31,49 @@ def test_rms_norm_kernel_matches_torch_and_is_row_invariant(dtype):
     assert torch.equal(model_mod.rms_norm(x, w, 1e-6), y)                     # and the model uses it
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_bf16_linear_kernel_is_row_invariant_and_as_close_as_torchs(bias):
+    """The dense linear of CPUs without bf16 arithmetic (bf16_linear.cpp; the engine's there): a row's bits are the
+    same alone, in any pack of rows (groups of 8 share weight reads, and a tail group is smaller) and at any thread
+    count, and every output is as close to the float64 product as torch's bf16 F.linear (one bf16 rounding of a
+    float32 sum, in another order)."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 203, 1536                                  # N not a multiple of the output chunk
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    x = torch.randn(21, K, generator=g).bfloat16()
+    y = kernels.bf16_linear(x, w, b)
+    assert all(torch.equal(kernels.bf16_linear(x[i:i + n], w, b), y[i:i + n])
+               for n in range(1, 21) for i in range(0, 21 - n + 1, 4))
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(kernels.bf16_linear(x, w, b), y)
+    finally:
+        torch.set_num_threads(threads)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    ulp = torch.finfo(torch.bfloat16).eps * ref.abs()
+    assert ((y.double() - ref).abs() <= ulp + 1e-3).all()                  # a rounding, and float32 sums' error
+    assert (y == F.linear(x, w, b)).float().mean() > 0.9                   # mostly torch's bits too
+    assert not torch.equal(kernels.bf16_linear(x, w.roll(1, 1), b), y)     # every column of w counts
+
+
+def test_engine_uses_bf16_linear_where_bf16_is_emulated(monkeypatch):
+    """On a CPU without bf16 arithmetic the engine's dense bf16 linears run bf16_linear (elsewhere torch's or
+    oneDNN's prepacked GEMM): checked by counting calls with the CPU's answer forced each way."""
+    from specdec.engine import quant
+    calls = []
+    real = kernels.bf16_linear
+    monkeypatch.setattr(kernels, "bf16_linear", lambda *a: calls.append(1) or real(*a))
+    x, w = torch.randn(3, 64).bfloat16(), torch.randn(16, 64).bfloat16()
+    for emulated in (True, False):
+        monkeypatch.setattr(kernels, "bf16_emulated", lambda e=emulated: e)
+        calls.clear()
+        y = quant.linear(x, w)
+        assert len(calls) == emulated and y.shape == (3, 16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_kernel_is_the_tensor_ops_bitwise(dtype):
     """On strided rows (the q|k part of the fused qkv output, as the model passes them) in every dtype."""

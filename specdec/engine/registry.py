@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from ..errors import ModelError
-from . import assets
+from . import assets, kernels
 from .assets import cache_dir
 from .loader import load_gguf, load_hf_dir, save_hf_dir, tiny
 from .model import ModelConfig, Transformer
@@ -30,7 +30,7 @@ def native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX-512 bf16 or AMX). Without it (an AVX2 EPYC, say) a bf16 GEMM goes
     through float32 conversions and costs in proportion to its rows: measured on a 2-core Zen 3 EPYC, a 1536x576
     `F.linear` took 130 / 506 / 1,001 us for 1 / 5 / 8 rows in bf16 and 126 / 306 / 300 us in float32."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return not kernels.bf16_emulated()
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from . import kernels
 from .quant import BITS, QLinear, linear
 
 PROBE_ROWS = 64
@@ -65,9 +66,11 @@ def _window(w, trials: int = 2) -> tuple[int, int] | None:
         if all(torch.equal(call(t, i, 1, lo), call(t, 0, hi, lo)[i:i + 1]) for t in range(trials) for i in range(hi)) \
                 and all(torch.equal(call(t, 0, n, lo), call(t, 0, hi, lo)[:n])
                         for t in range(trials) for n in range(2, hi)):
-            if (lo, hi) == (1, PROBE_ROWS) and isinstance(w, QLinear) and w.kind in BITS:
-                # our qdot computes a row's outputs from that row alone whatever the count (tests/test_quant.py):
-                # splitting a 140-token prefill into calls of 64 rows and joining them cost it ~4%
+            if (lo, hi) == (1, PROBE_ROWS) and (isinstance(w, QLinear) and w.kind in BITS
+                                                or kernels.bf16_linear_usable(xs[0], w, None)):
+                # our qdot and bf16_linear compute a row's outputs from that row alone whatever the count
+                # (tests/test_quant.py, test_layer_ops.py): splitting a 140-token prefill into calls of 64 rows and
+                # joining them cost it ~4%
                 return 1, UNBOUNDED
             return lo, hi
     return None
@@ -80,7 +83,8 @@ def probe_row_tiles(weights) -> RowTiles:
     for w in weights:
         key = _key(w)
         if key not in _probed:
-            _probed[key] = _window(w)
+            with torch.inference_mode():      # as a forward runs: the layer kernels are not taken under autograd
+                _probed[key] = _window(w)
         if _probed[key] is None:
             return RowTiles(16, 16)
         los.append(_probed[key][0])

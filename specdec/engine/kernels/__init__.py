@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ModelError
 
-SOURCES = [Path(__file__).with_name(f) for f in ("qdot.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("qdot.cpp", "layer_ops.cpp", "bf16_linear.cpp")]
 
 
 def _cpu_flags() -> str:
@@ -110,6 +110,26 @@ def write_kv(k_cache, v_cache, slots, k, v) -> None:
     """k_cache[slots] = k and v_cache[slots] = v (cast to the cache dtype) in one call (Attention.attend)."""
     _load()
     torch.ops.specdec.write_kv(k_cache, v_cache, slots, k, v)
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for bf16 x [M, K] and w [N, K] on a CPU without bf16 arithmetic (bf16_linear.cpp): float32 sums,
+    rows sharing each weight read, a row's bits a function of that row alone."""
+    _load()
+    return torch.ops.specdec.bf16_linear(x, w, b)
+
+
+@functools.cache
+def bf16_emulated() -> bool:
+    """Whether this CPU lacks bf16 arithmetic (AVX-512 bf16 or AMX): there PyTorch's bf16 GEMM costs every row like
+    the first (registry.native_bf16 has figures), and bf16_linear is the engine's dense linear."""
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def bf16_linear_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return (x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2 and w.shape[1] % 8 == 0
+            and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16) and bf16_emulated()
+            and usable(x, w) and (b is None or usable(b)))
 
 
 @functools.cache
