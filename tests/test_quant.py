@@ -346,7 +346,8 @@ def test_kernel_build_lock_left_by_a_killed_process_does_not_hang_the_next():
     stale.touch()
     try:
         out = subprocess.run([sys.executable, "-c", "from specdec.engine import kernels; print(kernels.available())"],
-                             capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                             capture_output=True, text=True, timeout=120,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     finally:
         stale.unlink(missing_ok=True)
     assert out.stdout.strip() == "True", out.stderr
