@@ -5,6 +5,7 @@ system C++ compiler; -march=native, so the build is cached per CPU and source).
     y = kernels.qdot(x, packed, bits=4, n=N)                  # qdot.cpp: 4/6/8-bit weights x int8 activations
     y = kernels.rms_norm(x, w, eps)                          # layer_ops.cpp: a row's RMSNorm in one call, and
     kernels.attend(...), kernels.rope(...), kernels.write_kv(...)   # attention, rotary, KV writes (decode's small ops)
+    y = kernels.bf16_linear(x, w, b)                         # bf16_linear.cpp: dense bf16 where bf16 is emulated
 
 PyTorch has no CPU kernel that multiplies 4-bit weights by int8 activations: its `_weight_int4pack_mm_for_cpu`
 dequantises the weights for every row of x in bf16, so it is compute-bound (~17 GB/s of weights for one row on a
@@ -127,9 +128,11 @@ def bf16_emulated() -> bool:
 
 
 def bf16_linear_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    return (x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2 and w.shape[1] % 8 == 0
-            and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16) and bf16_emulated()
-            and usable(x, w) and (b is None or usable(b)))
+    """Whether quant.linear runs bf16_linear for this call: plain bf16 tensors (not a QLinear, not prepacked), K a
+    multiple of 8, on a CPU without bf16 arithmetic, where the kernels may run (no autograd)."""
+    return (isinstance(w, torch.Tensor) and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2
+            and w.shape[1] % 8 == 0 and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16)
+            and bf16_emulated() and usable(x, w) and (b is None or usable(b)))
 
 
 @functools.cache
