@@ -283,7 +283,7 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         return w.mm(x)
     if is_prepacked(w):
         return prepacked_linear(x, w, b)
-    if w.dtype == torch.bfloat16 and kernels.bf16_linear_usable(x, w, b):
+    if kernels.bf16_linear_usable(x, w, b):
         return kernels.bf16_linear(x, w, b)
     return F.linear(x, w, b)
 

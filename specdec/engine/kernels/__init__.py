@@ -25,6 +25,7 @@ import torch
 from ...errors import ModelError
 
 SOURCES = [Path(__file__).with_name(f) for f in ("qdot.cpp", "layer_ops.cpp", "bf16_linear.cpp")]
+HEADERS = [Path(__file__).with_name("fixed_sums.h")]     # included by the sources: part of the build's key
 
 
 def _cpu_flags() -> str:
@@ -45,7 +46,7 @@ def _extra_cflags() -> list[str]:
 def build_dir() -> Path:
     """Where the kernels are built: one folder per source, torch version, CPU and flags."""
     from ..assets import cache_dir
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES) + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + torch.__version__.encode()
                          + _cpu_flags().encode() + " ".join(_extra_cflags()).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"qdot-{key}"
 
@@ -132,7 +133,7 @@ def bf16_linear_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
     multiple of 8, on a CPU without bf16 arithmetic, where the kernels may run (no autograd)."""
     return (isinstance(w, torch.Tensor) and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2
             and w.shape[1] % 8 == 0 and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16)
-            and bf16_emulated() and usable(x, w) and (b is None or usable(b)))
+            and bf16_emulated() and usable(x, w, *(() if b is None else (b,))))
 
 
 @functools.cache

@@ -9,12 +9,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <algorithm>
-#include <cstring>
 #include <immintrin.h>
 
-namespace {
+#include "fixed_sums.h"
 
-inline float tree8(const float p[8]) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
+namespace {
 
 inline __m256 widen(const at::BFloat16* w) {   // 8 bf16 -> 8 float32: the bits, 16 places up
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));

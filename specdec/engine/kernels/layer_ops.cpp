@@ -13,10 +13,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+#include "fixed_sums.h"
 
-// The fixed tree that ends every 8-strided sum here (a row's bits must not depend on anything but the row).
-inline float tree8(const float p[8]) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
+namespace {
 
 // RMSNorm of each row in one call: torch's F.rms_norm in float32, the cast and the weight multiply are ~8 tensor ops,
 // 50 us a call here, twice a layer. y = T(T(x * r) * w) with r = 1 / sqrt(mean(x^2) + eps) in float32, the sum of
