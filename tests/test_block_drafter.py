@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 
 from specdec.draft import make_drafter
 from specdec.draft.block import BlockDrafter, load_checkpoint, random_drafter_model
-from specdec.draft.train import first_user_turns, fit, generate_data, training_prompts
+from specdec.draft.train import first_exchanges, first_user_turns, fit, generate_data, training_prompts
 from specdec.engine.engine import Engine
+from specdec.engine.layout import SeqInput
 from specdec.engine.registry import load
 from specdec.generate import Request, generate
 from specdec.speculative.accept import Mode
@@ -82,6 +83,32 @@ def test_sharegpt_first_user_turns_of_a_cut_off_file():
     whole = first_user_turns(text, 40, set(CHAT))
     assert whole == ["How do tides work?", "Name three rivers."]
     assert first_user_turns(text[:-2] + cut[len(text):], 40, set(CHAT)) == whole
+
+
+def test_sharegpt_first_exchanges_keep_the_reply():
+    import json
+    recs = [{"conversations": [{"from": "human", "value": "Why blue?"}, {"from": "gpt", "value": " Light "}]},
+            {"conversations": [{"from": "human", "value": "No reply"}]},
+            {"conversations": [{"from": "human", "value": "Two humans"}, {"from": "human", "value": "again"}]}]
+    assert first_exchanges(json.dumps(recs), 40, set()) == [("Why blue?", "Light"), ("No reply", None),
+                                                          ("Two humans", None)]
+
+
+def test_teacher_forced_documents_read_the_answer(tiny, tmp_path):
+    """--prompts sharegpt-answers: a document is the chat prompt, the reply (at most forced_max tokens) and an end of
+    turn, read in one forward; prompt_len ends at the reply; each position's top-1 is the target's own."""
+    ps = [{"messages": [{"role": "user", "content": f"question {k}?"}], "answer": "an answer " * (2 + 3 * k)}
+          for k in range(6)]
+    generate_data("tiny-llama", tmp_path, 10_000, batch=4, shard_tokens=200, lm=tiny, prompts=ps, forced_max=40)
+    man, docs = _docs(tmp_path)
+    tok = tiny.tokenizer
+    want = [(tok.chat(p["messages"]), tok.encode(p["answer"])[:40] + tok.user_turn()[1][:1]) for p in ps]
+    assert [(d[0][:d[1]], d[0][d[1]:]) for d in docs[:len(ps)]] == want
+    top1 = torch.cat([load_file(str(tmp_path / "data" / n))["top1"] for n in man["shards"]])
+    engine = Engine(tiny.model, batch_invariant=True)
+    seq = engine.new_sequence()
+    out = engine.forward([SeqInput(seq, docs[0][0], logits="all")])
+    assert top1[:len(docs[0][0])].tolist() == out.rows(0).argmax(-1).tolist()
 
 
 def _docs(out):
