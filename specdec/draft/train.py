@@ -227,9 +227,10 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
         engines.append(name)
     prompts = prompts or source_prompts(source, seed)
     banned = set(_eval_prompts())
-    before, after = lm.tokenizer.user_turn() if self_prompts else ([], [])
+    any_forced = any("answer" in p for p in prompts)              # teacher-forced documents end with a turn's end
+    before, after = lm.tokenizer.user_turn() if self_prompts or any_forced else ([], [])
     eos = set(getattr(lm.tokenizer, "eos_ids", ()) or ())
-    end_turn = lm.tokenizer.user_turn()[1][:1]       # what ends a turn in the chat template (<|im_end|>)
+    end_turn = after[:1]                        # what ends a turn in the chat template (<|im_end|>)
     engine = Engine(target, kv_tokens=batch * (max(max_new, forced_max) + MAX_ASK + 512) + 1024,
                     batch_invariant=not fast)
     doc_id, have, base_seconds = man.get("next_doc", 0), man["tokens"], man["gen_seconds"]

@@ -131,9 +131,10 @@ def bf16_emulated() -> bool:
 def bf16_linear_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
     """Whether quant.linear runs bf16_linear for this call: plain bf16 tensors (not a QLinear, not prepacked), K a
     multiple of 8, on a CPU without bf16 arithmetic, where the kernels may run (no autograd)."""
-    return (isinstance(w, torch.Tensor) and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2
-            and w.shape[1] % 8 == 0 and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16)
-            and bf16_emulated() and usable(x, w, *(() if b is None else (b,))))
+    # bf16_emulated first: every dense linear of a forward asks, and on most CPUs the answer ends there
+    return (bf16_emulated() and isinstance(w, torch.Tensor) and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2
+            and w.dim() == 2 and w.shape[1] % 8 == 0 and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16)
+            and usable(x, w, *(() if b is None else (b,))))
 
 
 @functools.cache
