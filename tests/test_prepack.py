@@ -61,7 +61,31 @@ def test_weights_whose_prepacked_product_differs_stay_plain(monkeypatch):
     model = load("tiny-llama", "bfloat16").model
     assert prepack.prepack_linears(model) == 0
     assert not any(prepack.is_prepacked(p) for p in model.parameters())
-    assert set(prepack._agrees.values()) == {False}
+    assert set(prepack._agrees.values()) == {0}
+
+
+def test_a_product_that_parts_above_the_row_window_is_packed_within_it(monkeypatch):
+    """Where packed and plain products part only above BOUNDED_ROWS rows (oneDNN's bf16 on an AMX Xeon: at 33), a
+    batch-invariant engine packs and keeps its row window within the rows that agreed, so a 70-token prefill (split
+    into calls) still gives the plain weights' bits; an engine that calls with any number of rows does not pack."""
+    import specdec.engine.row_tiles as RT
+    real = prepack.prepacked_linear
+    monkeypatch.setattr(prepack, "_agrees", {})
+    monkeypatch.setattr(RT, "_probed", {})
+    monkeypatch.setattr(prepack, "prepacked_linear",
+                        lambda x, w, b=None: real(x, w, b) * (1 + 2 ** -7 * (x.shape[0] > prepack.BOUNDED_ROWS)))
+    model = load("tiny-llama", "bfloat16").model
+    e_plain, e_packed = _plain_and_prepacked(model, monkeypatch)
+    assert all(prepack.rows_limit(m.weight) == prepack.BOUNDED_ROWS for m in model.linears().values() if m)
+    assert e_packed.row_tiles.hi <= prepack.BOUNDED_ROWS
+    prompt = random_prompt(model.cfg.vocab_size, 70, 3)
+    logits = []
+    for e in (e_plain, e_packed):
+        logits.append(e.forward([SeqInput(e.new_sequence(), prompt, logits="all")]).logits)
+    assert torch.equal(*logits)
+    other = load("tiny-llama", "bfloat16").model
+    Engine(other, batch_invariant=False)
+    assert not any(prepack.is_prepacked(p) for p in other.parameters())
 
 
 def test_what_reads_weights_sees_the_plain_ones_after_prepacking(monkeypatch):

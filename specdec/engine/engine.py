@@ -22,7 +22,7 @@ from .attention import acc_dtype, plan_groups
 from .kv_cache import KVPool
 from .layout import Layout, SeqInput, pack
 from .model import Transformer, post_attention, pre_attention
-from .prepack import prepack_linears
+from . import prepack
 from .quant import QLinear
 from .row_tiles import probe_row_tiles
 
@@ -104,12 +104,12 @@ class Engine(PagedSequences):
         self._eager = None
         self.row_tiles = None       # the linears' row window (batch-invariant engines): the planner profiles its edges
         if not compile_tiers:       # bf16 weights prepacked for oneDNN where the bits stay F.linear's (prepack.py)
-            prepack_linears(model)
+            prepack.prepack_linears(model, prepack.BOUNDED_ROWS if batch_invariant else prepack.UNBOUNDED)
         if batch_invariant:   # linears on the row counts where this BLAS gives a row the same bits (row_tiles.py)
             L = model.layers[0]
-            tiles = probe_row_tiles([L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight,
-                                     L.mlp.w_down.weight, model.embed.weight if model.lm_head is None
-                                     else model.lm_head.weight])
+            weights = [L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight, L.mlp.w_down.weight,
+                       model.embed.weight if model.lm_head is None else model.lm_head.weight]
+            tiles = probe_row_tiles(weights, max_hi=min(prepack.rows_limit(w) for w in weights))
             self.row_tiles = tiles
             self._eager = (functools.partial(pre_attention, linear=tiles),
                            functools.partial(post_attention, linear=tiles), tiles)

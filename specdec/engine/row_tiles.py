@@ -49,10 +49,10 @@ def _key(w) -> tuple:
     return tuple(w.shape), kind, w.dtype, str(w.device), torch.get_num_threads()
 
 
-def _window(w, trials: int = 2) -> tuple[int, int] | None:
-    """The first candidate window [lo, hi] in which, for `trials` random inputs, every row gets the bits of the
-    hi-row call: each row alone (padded to lo; a GEMV's rounding shows only on some rows, so all are tried) and the
-    first n rows in one call, for every n up to hi."""
+def _window(w, trials: int = 2, max_hi: int = UNBOUNDED) -> tuple[int, int] | None:
+    """The first candidate window [lo, hi] (hi at most max_hi) in which, for `trials` random inputs, every row gets
+    the bits of the hi-row call: each row alone (padded to lo; a GEMV's rounding shows only on some rows, so all are
+    tried) and the first n rows in one call, for every n up to hi."""
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(PROBE_ROWS, w.shape[1], generator=gen).to(w.dtype).to(w.device) for _ in range(trials)]
     memo: dict[tuple, torch.Tensor] = {}
@@ -63,6 +63,8 @@ def _window(w, trials: int = 2) -> tuple[int, int] | None:
         return memo[t, i, n, lo]
 
     for lo, hi in CANDIDATES:
+        if hi > max_hi:
+            continue
         if all(torch.equal(call(t, i, 1, lo), call(t, 0, hi, lo)[i:i + 1]) for t in range(trials) for i in range(hi)) \
                 and all(torch.equal(call(t, 0, n, lo), call(t, 0, hi, lo)[:n])
                         for t in range(trials) for n in range(2, hi)):
@@ -76,15 +78,16 @@ def _window(w, trials: int = 2) -> tuple[int, int] | None:
     return None
 
 
-def probe_row_tiles(weights) -> RowTiles:
-    """The widest window every weight agrees on (cached per weight shape and kind, dtype, device and thread count,
-    which is what a BLAS picks its kernels by). Falls back to 16-row tiles: one call shape for every row."""
+def probe_row_tiles(weights, max_hi: int = UNBOUNDED) -> RowTiles:
+    """The widest window every weight agrees on, calls of at most max_hi rows (cached per weight shape and kind,
+    dtype, device and thread count, which is what a BLAS picks its kernels by, and max_hi). Falls back to 16-row
+    tiles: one call shape for every row."""
     los, his = [], []
     for w in weights:
-        key = _key(w)
+        key = (*_key(w), max_hi)
         if key not in _probed:
             with torch.inference_mode():      # as a forward runs: the layer kernels are not taken under autograd
-                _probed[key] = _window(w)
+                _probed[key] = _window(w, max_hi=max_hi)
         if _probed[key] is None:
             return RowTiles(16, 16)
         los.append(_probed[key][0])

@@ -31,6 +31,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <sys/syscall.h>
@@ -161,6 +163,25 @@ inline VF group_step(VF acc, VI dot, float a, float asum, VF sv, VF ov) {
   return ffma(ov, fset(asum), acc);
 }
 
+// A block's 16 outputs of one row to the activations' dtype (round to nearest even), the first `left` of them. bf16
+// with AVX-512 BF16: one vcvtneps2bf16, which rounds as c10's scalar conversion does except for NaN and denormals
+// (flushed to zero); which way an output goes depends on its column alone, so rows stay batch-invariant. The scalar
+// loop of 16 conversions was ~7% of an 8-row product.
+template <typename T>
+inline void store16(VF v, T* y, int64_t left) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (left >= B) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v.v)));
+      return;
+    }
+  }
+#endif
+  float out[B];
+  fstore(out, v);
+  for (int j = 0; j < B && j < left; ++j) y[j] = static_cast<T>(out[j]);
+}
+
 struct Rows {                // the quantized activations of a tile's first row
   const int8_t* xq;          // [R, K]
   const float* a;            // [R, K/32] scales
@@ -202,12 +223,7 @@ inline void tile(const uint8_t* quad, int j0, Rows x, int64_t K, int64_t N, int6
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int b = 0; b < CB; ++b) {
-      float out[B];
-      fstore(out, acc[r][b]);
-      for (int j = 0; j < B && n0 + b * B + j < N; ++j)
-        y[r * N + b * B + j] = static_cast<T>(out[j]);   // to the activations' dtype (round to nearest even)
-    }
+    for (int b = 0; b < CB; ++b) store16(acc[r][b], y + r * N + b * B, N - n0 - b * B);
 }
 
 template <int BITS, int CB, int R, typename T>   // a tile of r (1..R) rows: the template of its size
@@ -298,11 +314,7 @@ void amx_block(const uint8_t* codes, int64_t cstride, const uint8_t* rec0, int64
       if (g + 1 < ng) chain(g + 1, s + TR * B);
     }
 #pragma GCC unroll 16
-    for (int r = 0; r < TR; ++r) {
-      float out[B];
-      fstore(out, acc[r]);
-      for (int j = 0; j < B && n0 + j < N; ++j) y[(m + r) * N + n0 + j] = static_cast<T>(out[j]);
-    }
+    for (int r = 0; r < TR; ++r) store16(acc[r], y + (m + r) * N + n0, N - n0);
   }
 }
 
@@ -369,10 +381,44 @@ void run(const uint8_t* packed, const int8_t* xq, const float* a, const float* a
 }
 
 // x [M, K] -> xq int8 [M, K], a and asum float32 [M, K/32]: per group a = max|x| / 127, xq = round(x / a), in float32.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 bf16x16(const at::BFloat16* p) {   // exact: a bf16 is a float's top 16 bits
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// One bf16 group, vectorized: the scalar loop's bits (max and integer sums are exact in any order, the division and
+// the rounding to nearest even are IEEE's per lane); values already integral convert exactly. The scalar loop cost
+// ~10% of an 8-row product of Qwen 1.5B's layer shapes on a Sapphire Rapids.
+inline void quantize_group(const at::BFloat16* x, int8_t* xq, float& a, float& asum) {
+  const __m512 lo = bf16x16(x), hi = bf16x16(x + 16);
+  const float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi))) / 127.f;
+  int sum = 0;
+  if (scale > 0.f) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(lo, sv), RN));
+    const __m512i qh = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_div_ps(hi, sv), RN));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), _mm512_cvtepi32_epi8(ql));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), _mm512_cvtepi32_epi8(qh));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+  } else {
+    std::memset(xq, 0, G);
+  }
+  a = scale;
+  asum = scale * static_cast<float>(sum);
+}
+#endif
+
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, float* a, float* asum) {
   const int64_t n_groups = K / G;
   at::parallel_for(0, M * n_groups, 256, [&](int64_t i0, int64_t i1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      for (int64_t i = i0; i < i1; ++i) quantize_group(x + i * G, xq + i * G, a[i], asum[i]);
+      return;
+    }
+#endif
     for (int64_t i = i0; i < i1; ++i) {
       float xg[G];
       for (int j = 0; j < G; ++j) xg[j] = static_cast<float>(x[i * G + j]);
