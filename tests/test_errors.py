@@ -91,11 +91,11 @@ def test_kv_pool_exhausted_is_typed_and_engine_recovers(tiny_llama):
     a = e.new_sequence()
     e.forward([SeqInput(a, list(range(1, 25)))])
     b = e.new_sequence()
-    with pytest.raises(KVPoolExhausted):
-        e.forward([SeqInput(b, list(range(1, 20)))])
+    with pytest.raises(KVPoolExhausted):            # another prompt: no page of a's to share (the prefix cache)
+        e.forward([SeqInput(b, list(range(30, 49)))])
     assert e.length(b) == 0
     e.release(a)                                   # once pages are back, the queued request runs
-    e.forward([SeqInput(b, list(range(1, 20)))])
+    e.forward([SeqInput(b, list(range(30, 49)))])
     assert e.length(b) == 19
 
 

@@ -48,3 +48,71 @@ def test_gap_is_refused():
     a = kv.allocate()
     with pytest.raises(InvalidRequest, match="gap"):
         kv.write([(a, 2, 1)])
+
+
+# -- prefix cache ------------------------------------------------------------------------------------------------------
+def _fill(kv, sid, start, n, value):
+    """Write K/V rows of positions start..start+n-1 as `value` + position (what a forward would write)."""
+    kv.write([(sid, start, n)])
+    slots = kv.slots(sid, start, start + n)
+    kv.k[:, slots] = value + torch.arange(start, start + n, dtype=torch.float32)[None, :, None, None]
+
+
+def test_a_prompt_that_begins_like_a_remembered_one_takes_its_full_pages():
+    kv = pool(tokens=32, page=4)
+    a = kv.allocate()
+    _fill(kv, a, 0, 10, 0.0)
+    kv.remember(a, list(range(10)))                           # full pages: positions 0-3, 4-7
+    assert kv.cached_pages == 2
+    b = kv.allocate()
+    assert kv.match_prefix(b, [0, 1, 2, 3, 4, 5, 9, 9, 9]) == 4          # the second page differs at position 6
+    assert kv.slots(b, 0, 4).tolist() == kv.slots(a, 0, 4).tolist()
+    c = kv.allocate()
+    assert kv.match_prefix(c, list(range(7))) == 4                       # only whole pages within the tokens
+    d = kv.allocate()
+    assert kv.match_prefix(d, [5, 1, 2, 3]) == 0
+    with pytest.raises(InvalidRequest):
+        kv.match_prefix(b, list(range(8)))                               # b is no longer empty
+    for s in (a, b, c, d):
+        kv.free(s)
+    assert kv.free_tokens == 32 and kv.cached_pages == 2                 # held by the cache, free for the asking
+
+
+def test_a_write_into_a_shared_page_copies_it_first():
+    kv = pool(tokens=32, page=4)
+    a = kv.allocate()
+    _fill(kv, a, 0, 8, 0.0)
+    kv.remember(a, list(range(8)))
+    b = kv.allocate()
+    assert kv.match_prefix(b, list(range(8))) == 8
+    before = kv.k[:, kv.slots(a, 0, 8)].clone()
+    _fill(kv, b, 6, 3, 100.0)                                 # b rolls back into the shared second page and writes
+    assert torch.equal(kv.k[:, kv.slots(a, 0, 8)], before)               # a's K/V untouched
+    assert kv.slots(b, 0, 4).tolist() == kv.slots(a, 0, 4).tolist()      # the first page still shared
+    assert kv.slots(b, 4, 6).tolist() != kv.slots(a, 4, 6).tolist()
+    assert torch.equal(kv.k[:, kv.slots(b, 4, 6)], before[:, 4:6])       # copied, then written after
+    assert kv.k[0, kv.slots(b, 6, 9), 0, 0].tolist() == [106.0, 107.0, 108.0]
+    c = kv.allocate()                                         # the cache still gives a's pages
+    assert kv.match_prefix(c, list(range(8))) == 8 and kv.slots(c, 0, 8).tolist() == kv.slots(a, 0, 8).tolist()
+
+
+def test_cached_pages_make_room_least_recently_used_first():
+    kv = pool(tokens=16, page=4)
+    seqs = []
+    for first in (0, 100):                                    # two prompts of two pages each, remembered
+        s = kv.allocate()
+        _fill(kv, s, 0, 8, 0.0)
+        kv.remember(s, list(range(first, first + 8)))
+        seqs.append(s)
+    for s in seqs:
+        kv.free(s)
+    b = kv.allocate()
+    assert kv.match_prefix(b, list(range(8))) == 8             # the first prompt used again: most recent now
+    kv.free(b)
+    c = kv.allocate()
+    kv.write([(c, 0, 12)])                # needs three pages: the second prompt's, then the first's second page
+    assert kv.cached_pages == 1           # (a page before its parent: the parent keeps its prefix reachable)
+    d = kv.allocate()
+    assert kv.match_prefix(d, list(range(100, 108))) == 0 and kv.match_prefix(d, list(range(8))) == 4
+    with pytest.raises(KVPoolExhausted):                      # held by d now: not evictable
+        kv.write([(kv.allocate(), 0, 4)])

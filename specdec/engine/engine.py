@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -87,10 +88,13 @@ class Engine(PagedSequences):
     `compile_tiers`: row counts T for which uniform layouts (every sequence brings the same number of rows) run
     the dense block kernels compiled (torch.compile, one fixed-shape graph per tier, shared by all layers); ragged
     layouts and other row counts run eager. The CPU twin of CUDA-graph capture on fixed batch tiers. A compiled graph
-    rounds differently from the eager kernels, so tiers need batch_invariant=False."""
+    rounds differently from the eager kernels, so tiers need batch_invariant=False.
+
+    `prefix_cache` (default: on where batch-invariant): a prefill of an empty sequence skips the full pages of its
+    prompt that an earlier prompt began with (kv_cache.py), bitwise the same K/V and logits as running them."""
 
     def __init__(self, model: Transformer, *, kv_tokens: int = 8192, page_size: int = 16,
-                 compile_tiers: tuple[int, ...] = (), batch_invariant: bool = True):
+                 compile_tiers: tuple[int, ...] = (), batch_invariant: bool = True, prefix_cache: bool | None = None):
         if compile_tiers and any(isinstance(m, QLinear) for m in model.modules()):
             raise InvalidRequest("compiled tiers are not implemented for quantized models", field="compile_tiers",
                                  remedy="drop compile tiers or use --quant none")
@@ -124,6 +128,10 @@ class Engine(PagedSequences):
         self.kv = KVPool(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.hd, kv_tokens, page_size=page_size,
                          dtype=acc_dtype(self.dtype) if batch_invariant else self.dtype, device=self.device)
         self.rows_processed = 0      # packed rows through the model so far (what compact verify saves)
+        # exact only where a position's K/V do not depend on the forward that computed them (batch-invariant
+        # engines); SPECDEC_PREFIX_CACHE=0 turns it off, to measure what it saves
+        self.prefix_cache = batch_invariant and not compile_tiers if prefix_cache is None else prefix_cache
+        self.prefix_cache = self.prefix_cache and os.environ.get("SPECDEC_PREFIX_CACHE", "1") != "0"
 
     def healthy(self) -> bool:
         return True
@@ -136,7 +144,15 @@ class Engine(PagedSequences):
 
     @torch.inference_mode()
     def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
+        fresh = self._fresh_prefills(inputs) if self.prefix_cache else {}
+        if fresh and not hidden_layers:          # rows whose K/V are cached are not run again
+            inputs = [self._after_cached_prefix(inp, fresh[inp.seq]) if inp.seq in fresh else inp for inp in inputs]
+        try:
+            layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)
+        except Exception:
+            for seq in fresh:                    # refused before anything ran: the sequence is empty again
+                self.kv.truncate(seq, 0)
+            raise
         self.rows_processed += layout.tokens.numel()
         if self.batch_invariant:
             layout.attn_groups = plan_groups(layout, self.dtype, self.device, self.heads_per_kv)
@@ -145,8 +161,23 @@ class Engine(PagedSequences):
         kernels = kernels or self._eager
         logits, hidden = self.model(layout.tokens.to(self.device), layout, self.kv, layout.logit_rows.to(self.device),
                                     hidden_layers, kernels)
+        for seq, toks in fresh.items():
+            self.kv.remember(seq, toks)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
+
+    def _fresh_prefills(self, inputs: list[SeqInput]) -> dict[int, list[int]]:
+        """sequence -> tokens, for each input that writes an empty sequence from position 0, a full page or more."""
+        return {inp.seq: torch.as_tensor(inp.tokens).reshape(-1).tolist() for inp in inputs
+                if not inp.start and len(inp.tokens) > self.kv.page_size and self.kv.length(inp.seq) == 0}
+
+    def _after_cached_prefix(self, inp: SeqInput, toks: list[int]) -> SeqInput:
+        """The input without the rows whose K/V the prefix cache holds (its last row always runs: its logits, or the
+        next forward's, need it; "all" logits need every row)."""
+        if inp.logits == "all":
+            return inp
+        n = self.kv.match_prefix(inp.seq, toks[:-1])
+        return SeqInput(inp.seq, toks[n:], start=n, logits=inp.logits) if n else inp
 
     def kernels_for(self, layout: Layout):
         """The tier gate: compiled kernels for a uniform layout whose row count is a tier, else None (eager)."""

@@ -5,9 +5,17 @@ pages[p // page_size] * page_size + p % page_size, the same slot in every layer.
 so rolling back rejected draft rows is `truncate(seq, n)` followed by writing new rows over the old slots — nothing is
 copied. Capacity is checked for the whole batch before anything changes, so exhaustion leaves the pool as it was and
 the caller can queue the request (KVPoolExhausted).
+
+Prefix cache: full pages of a prompt stay behind, keyed by their tokens and the page before them, for the next prompt
+that begins the same way (chat requests share a system prompt). `match_prefix` hands a new sequence the cached pages
+its tokens begin with, `remember` offers a prefilled sequence's full pages. A page counts its holders (sequences and
+the cache); one only the cache holds is free for the asking (`free_tokens` counts it) and is evicted least recently
+used first when a write needs room. A write into a shared page copies it first. Reusing K/V is exact where the engine
+is batch-invariant: a position's K/V are a function of the tokens up to it, whatever forward computed them.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 
@@ -32,8 +40,13 @@ class KVPool:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: recently freed pages are reused first
+        self._holders = [0] * self.num_pages                   # sequences holding each page, + 1 if the cache does
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count()
+        # prefix cache: (parent node, the page's tokens) -> (node, page); least recently used first. Node ids are never
+        # reused, so a page whose parent was evicted can no longer be reached, and it is evicted in its turn.
+        self._cached: collections.OrderedDict[tuple, tuple[int, int]] = collections.OrderedDict()
+        self._nodes = itertools.count(1)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -43,7 +56,7 @@ class KVPool:
         return sid
 
     def free(self, sid: int) -> None:
-        self._free.extend(reversed(self._seq(sid).pages))
+        self._drop(reversed(self._seq(sid).pages))
         del self._seqs[sid]
 
     def length(self, sid: int) -> int:
@@ -51,7 +64,11 @@ class KVPool:
 
     @property
     def free_tokens(self) -> int:
-        return len(self._free) * self.page_size
+        return (len(self._free) + self._evictable()) * self.page_size
+
+    @property
+    def cached_pages(self) -> int:
+        return len(self._cached)
 
     def __contains__(self, sid: int) -> bool:
         return sid in self._seqs
@@ -65,6 +82,57 @@ class KVPool:
     def _pages_for(self, n: int) -> int:
         return -(-n // self.page_size)
 
+    def _take(self) -> int:
+        page = self._free.pop()
+        self._holders[page] = 1
+        return page
+
+    def _drop(self, pages) -> None:
+        for page in pages:
+            self._holders[page] -= 1
+            if not self._holders[page]:
+                self._free.append(page)
+
+    def _evictable(self) -> int:
+        return sum(self._holders[page] == 1 for _, page in self._cached.values())
+
+    def _evict(self, n: int) -> None:
+        """Give back up to n pages that only the cache holds, least recently used first."""
+        for key in [k for k, (_, page) in self._cached.items() if self._holders[page] == 1][:n]:
+            self._drop([self._cached.pop(key)[1]])
+
+    # -- prefix cache ----------------------------------------------------------------------------------------------
+    def match_prefix(self, sid: int, tokens) -> int:
+        """An empty sequence takes the cached pages that `tokens` begin with; returns how many positions it now has
+        (a multiple of page_size)."""
+        s, ps = self._seq(sid), self.page_size
+        if s.length:
+            raise InvalidRequest("a prefix is matched only by an empty sequence", field="seq")
+        parent, keys = 0, []
+        for i in range(len(tokens) // ps):
+            key = (parent, tuple(tokens[i * ps:(i + 1) * ps]))
+            if key not in self._cached:
+                break
+            parent, page = self._cached[key]
+            keys.append(key)
+            s.pages.append(page)
+            self._holders[page] += 1
+        for key in reversed(keys):      # a page's parent more recent than it: evicted after it
+            self._cached.move_to_end(key)
+        s.length = len(keys) * ps
+        return s.length
+
+    def remember(self, sid: int, tokens) -> None:
+        """Offer the sequence's full pages that hold `tokens` (its positions from 0) to the cache. Pages whose tokens
+        are cached already (in another page) stay the sequence's own."""
+        s, ps, parent = self._seq(sid), self.page_size, 0
+        for i in range(min(len(tokens), s.length) // ps):
+            key = (parent, tuple(tokens[i * ps:(i + 1) * ps]))
+            if key not in self._cached:
+                self._cached[key] = (next(self._nodes), s.pages[i])
+                self._holders[s.pages[i]] += 1
+            parent = self._cached[key][0]
+
     # -- growth and rollback ---------------------------------------------------------------------------------------
     def truncate(self, sid: int, n: int) -> None:
         """Roll back to the first n tokens; pages past them go back to the pool."""
@@ -72,27 +140,43 @@ class KVPool:
         if not 0 <= n <= s.length:
             raise InvalidRequest(f"cannot truncate a sequence of {s.length} tokens to {n}", field="start")
         keep = self._pages_for(n)
-        self._free.extend(reversed(s.pages[keep:]))
+        self._drop(reversed(s.pages[keep:]))
         del s.pages[keep:]
         s.length = n
 
     def write(self, spans: list[tuple[int, int, int]]) -> None:
         """Make room for writes: each (sid, start, n) truncates to `start` then extends to start + n.
 
-        All-or-nothing: capacity for the whole list is checked before any sequence changes."""
-        need = sum(max(0, self._pages_for(start + n) - len(self._seq(sid).pages)) for sid, start, n in spans)
+        All-or-nothing: capacity for the whole list is checked before any sequence changes (pages only the prefix
+        cache holds are evicted to make room)."""
         for sid, start, n in spans:
             if start > self._seq(sid).length:
                 raise InvalidRequest(f"write at position {start} leaves a gap after {self._seq(sid).length} "
                                      "cached tokens", field="start", remedy="append at the cached length or before it")
+        need = sum(max(0, self._pages_for(start + n) - len(self._seq(sid).pages)) + self._shared_at(sid, start)
+                   for sid, start, n in spans)
+        if need > len(self._free):
+            self._evict(need - len(self._free))
         if need > len(self._free):
             raise KVPoolExhausted(need, len(self._free), self.page_size)
         for sid, start, n in spans:
             self.truncate(sid, start)
             s = self._seq(sid)
+            if self._shared_at(sid, start):          # copy on write: the page others hold stays as it is
+                old, new, r, ps = s.pages[-1], self._take(), start % self.page_size, self.page_size
+                for t in (self.k, self.v):
+                    t[:, new * ps:new * ps + r] = t[:, old * ps:old * ps + r]
+                self._drop([old])
+                s.pages[-1] = new
             while len(s.pages) < self._pages_for(start + n):
-                s.pages.append(self._free.pop())
+                s.pages.append(self._take())
             s.length = start + n
+
+    def _shared_at(self, sid: int, start: int) -> int:
+        """1 if a write from `start` would land in a page someone else holds too (start inside a kept page)."""
+        s = self._seq(sid)
+        i = start // self.page_size
+        return int(start % self.page_size != 0 and i < len(s.pages) and self._holders[s.pages[i]] > 1)
 
     def slots(self, sid: int, start: int, end: int) -> torch.Tensor:
         """Flat slot index of each position in [start, end) of a sequence."""

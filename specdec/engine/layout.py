@@ -29,6 +29,7 @@ class SeqRows:
     row0: int                     # first row in the flat batch
     n: int                        # new rows
     read_slots: torch.Tensor      # [start + n] KV slots of positions 0 .. start+n-1
+    seq: int = -1                 # the KV sequence (-1 where unknown: a tensor-parallel worker's decoded layout)
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -76,7 +77,7 @@ def pack(inputs: list[SeqInput], kv: KVPool, vocab_size: int, max_seq_len: int) 
         read = kv.slots(sid, 0, start + n)
         positions.append(torch.arange(start, start + n))
         writes.append(read[start:])
-        seqs.append(SeqRows(row0, n, read))
+        seqs.append(SeqRows(row0, n, read, sid))
         rows = {"last": [row0 + n - 1], "all": list(range(row0, row0 + n)), "none": []}[inp.logits]
         logit_rows += rows
         cu_logits.append(cu_logits[-1] + len(rows))
