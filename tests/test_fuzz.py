@@ -25,6 +25,12 @@ from specdec.v1 import specdec_pb2_grpc as pbg
 
 from .stack import Target
 
+try:   # at collection, on a shallow stack: schemathesis imports its OpenAPI modules lazily, and Python 3.11.7's parser
+    # (pytest rewrites them) failed there deep in a full run ("AST constructor recursion depth mismatch", gh-106905)
+    import schemathesis.specs.openapi.schemas  # noqa: F401
+except ImportError:
+    pass
+
 pytestmark = pytest.mark.timeout(600)
 
 V, CONTEXT = 96, 512           # tiny-llama
