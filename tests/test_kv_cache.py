@@ -116,3 +116,16 @@ def test_cached_pages_make_room_least_recently_used_first():
     assert kv.match_prefix(d, list(range(100, 108))) == 0 and kv.match_prefix(d, list(range(8))) == 4
     with pytest.raises(KVPoolExhausted):                      # held by d now: not evictable
         kv.write([(kv.allocate(), 0, 4)])
+
+
+def test_clearing_the_cache_forgets_every_prefix():
+    kv = pool(tokens=16, page=4)
+    a = kv.allocate()
+    _fill(kv, a, 0, 8, 0.0)
+    kv.remember(a, list(range(8)))
+    kv.clear_cache()
+    assert kv.cached_pages == 0 and kv.free_tokens == 8                  # a's pages stay a's
+    b = kv.allocate()
+    assert kv.match_prefix(b, list(range(8))) == 0
+    kv.free(a)
+    assert kv.free_tokens == 16

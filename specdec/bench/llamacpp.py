@@ -44,6 +44,7 @@ class LlamaCpp:
         t0 = time.perf_counter()
         for p in prompts:
             n, first = 0, None
+            self.llm.reset()    # cold, as ours in the bench: llama-cpp-python reuses the previous prompt's prefix
             for _ in self.llm.generate(p, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
                 n += 1
                 first = first or time.perf_counter()

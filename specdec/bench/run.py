@@ -16,7 +16,9 @@ from .report import RequestRecord, StepRecord
 def run_inprocess(engine, drafter, prompts: list[list[int]], *, max_tokens: int, concurrency: int,
                   params: SamplingParams, gamma: int, mode: str, layout: str, plan=None, stop_ids=frozenset(),
                   desc: str = "") -> tuple[list[RequestRecord], list[StepRecord], float]:
-    """Static batches of `concurrency` requests through SpeculativeGenerator (drafter None = target-only)."""
+    """Static batches of `concurrency` requests through SpeculativeGenerator (drafter None = target-only). Each batch
+    starts cold: the prefix caches of the target and of a model drafter are cleared first, as every configuration
+    runs the same prompts (interleaved) and a later one would otherwise find them cached."""
     kw = {"plan": plan} if plan is not None else {}
     gen = SpeculativeGenerator(engine, drafter, gamma=gamma, mode=mode, layout=layout, **kw)
     reqs: list[RequestRecord] = []
@@ -31,6 +33,8 @@ def run_inprocess(engine, drafter, prompts: list[list[int]], *, max_tokens: int,
             now = time.perf_counter()
             seen[i] += [now] * len(toks)
 
+        for e in (engine, getattr(drafter, "engine", None), getattr(getattr(drafter, "model", None), "engine", None)):
+            getattr(e, "clear_prefix_cache", lambda: None)()
         outs = gen.generate([GenRequest(p, params, max_tokens, stop_ids) for p in batch], on_tokens)
         for i, o in enumerate(outs):
             ts = seen[i]

@@ -166,6 +166,9 @@ class Engine(PagedSequences):
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
 
+    def clear_prefix_cache(self) -> None:
+        self.kv.clear_cache()
+
     def _fresh_prefills(self, inputs: list[SeqInput]) -> dict[int, list[int]]:
         """sequence -> tokens, for each input that writes an empty sequence from position 0, a full page or more."""
         return {inp.seq: torch.as_tensor(inp.tokens).reshape(-1).tolist() for inp in inputs

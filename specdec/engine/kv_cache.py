@@ -102,6 +102,11 @@ class KVPool:
             self._drop([self._cached.pop(key)[1]])
 
     # -- prefix cache ----------------------------------------------------------------------------------------------
+    def clear_cache(self) -> None:
+        """Forget every cached prefix (pages only the cache held go back to the pool): the next prompts run cold."""
+        self._drop([page for _, page in self._cached.values()])
+        self._cached.clear()
+
     def match_prefix(self, sid: int, tokens) -> int:
         """An empty sequence takes the cached pages that `tokens` begin with; returns how many positions it now has
         (a multiple of page_size)."""
