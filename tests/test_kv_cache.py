@@ -129,3 +129,22 @@ def test_clearing_the_cache_forgets_every_prefix():
     assert kv.match_prefix(b, list(range(8))) == 0
     kv.free(a)
     assert kv.free_tokens == 16
+
+
+def test_rewriting_a_sequence_over_shared_pages_counts_them_as_taken():
+    """Truncating into pages the cache holds gives nothing back to the pool: a rewrite from 0 needs new pages, and
+    refuses cleanly (typed, nothing changed) when there are none."""
+    kv = pool(tokens=16, page=4)
+    a = kv.allocate()
+    _fill(kv, a, 0, 8, 0.0)
+    kv.remember(a, list(range(8)))
+    b = kv.allocate()
+    assert kv.match_prefix(b, list(range(8))) == 8
+    kv.write([(kv.allocate(), 0, 8)])                         # the last two pages
+    with pytest.raises(KVPoolExhausted):
+        kv.write([(b, 0, 8)])                                 # b's pages are a's and the cache's too
+    assert kv.length(b) == 8 and kv.slots(b, 0, 8).tolist() == kv.slots(a, 0, 8).tolist()
+    kv.free(a)
+    kv.clear_cache()                                          # now b alone holds them: rewriting reuses them
+    kv.write([(b, 0, 8)])
+    assert kv.length(b) == 8

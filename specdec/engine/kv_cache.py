@@ -158,8 +158,7 @@ class KVPool:
             if start > self._seq(sid).length:
                 raise InvalidRequest(f"write at position {start} leaves a gap after {self._seq(sid).length} "
                                      "cached tokens", field="start", remedy="append at the cached length or before it")
-        need = sum(max(0, self._pages_for(start + n) - len(self._seq(sid).pages)) + self._shared_at(sid, start)
-                   for sid, start, n in spans)
+        need = sum(self._need(sid, start, n) for sid, start, n in spans)
         if need > len(self._free):
             self._evict(need - len(self._free))
         if need > len(self._free):
@@ -176,6 +175,13 @@ class KVPool:
             while len(s.pages) < self._pages_for(start + n):
                 s.pages.append(self._take())
             s.length = start + n
+
+    def _need(self, sid: int, start: int, n: int) -> int:
+        """Pages a write takes from the pool: new pages (one more to copy a shared page into), less the pages its
+        truncation gives back (a page someone else holds stays theirs)."""
+        s, keep = self._seq(sid), self._pages_for(start)
+        back = sum(self._holders[page] == 1 for page in s.pages[keep:])
+        return max(0, self._pages_for(start + n) - keep + self._shared_at(sid, start) - back)
 
     def _shared_at(self, sid: int, start: int) -> int:
         """1 if a write from `start` would land in a page someone else holds too (start inside a kept page)."""
