@@ -58,6 +58,17 @@ def _fill(kv, sid, start, n, value):
     kv.k[:, slots] = value + torch.arange(start, start + n, dtype=torch.float32)[None, :, None, None]
 
 
+def _shared(tokens: int) -> tuple[KVPool, int, int]:
+    """A pool of 4-slot pages where sequence a prefilled and remembered tokens 0..7, and b took both pages from it."""
+    kv = pool(tokens=tokens, page=4)
+    a = kv.allocate()
+    _fill(kv, a, 0, 8, 0.0)
+    kv.remember(a, list(range(8)))
+    b = kv.allocate()
+    assert kv.match_prefix(b, list(range(8))) == 8
+    return kv, a, b
+
+
 def test_a_prompt_that_begins_like_a_remembered_one_takes_its_full_pages():
     kv = pool(tokens=32, page=4)
     a = kv.allocate()
@@ -79,12 +90,7 @@ def test_a_prompt_that_begins_like_a_remembered_one_takes_its_full_pages():
 
 
 def test_a_write_into_a_shared_page_copies_it_first():
-    kv = pool(tokens=32, page=4)
-    a = kv.allocate()
-    _fill(kv, a, 0, 8, 0.0)
-    kv.remember(a, list(range(8)))
-    b = kv.allocate()
-    assert kv.match_prefix(b, list(range(8))) == 8
+    kv, a, b = _shared(32)
     before = kv.k[:, kv.slots(a, 0, 8)].clone()
     _fill(kv, b, 6, 3, 100.0)                                 # b rolls back into the shared second page and writes
     assert torch.equal(kv.k[:, kv.slots(a, 0, 8)], before)               # a's K/V untouched
@@ -134,12 +140,7 @@ def test_clearing_the_cache_forgets_every_prefix():
 def test_rewriting_a_sequence_over_shared_pages_counts_them_as_taken():
     """Truncating into pages the cache holds gives nothing back to the pool: a rewrite from 0 needs new pages, and
     refuses cleanly (typed, nothing changed) when there are none."""
-    kv = pool(tokens=16, page=4)
-    a = kv.allocate()
-    _fill(kv, a, 0, 8, 0.0)
-    kv.remember(a, list(range(8)))
-    b = kv.allocate()
-    assert kv.match_prefix(b, list(range(8))) == 8
+    kv, a, b = _shared(16)
     kv.write([(kv.allocate(), 0, 8)])                         # the last two pages
     with pytest.raises(KVPoolExhausted):
         kv.write([(b, 0, 8)])                                 # b's pages are a's and the cache's too
