@@ -27,7 +27,7 @@ from specdec.engine.registry import load
 
 class Ours:
     def __init__(self, model, prompt):
-        self.e = Engine(model, kv_tokens=4096)
+        self.e = Engine(model, kv_tokens=4096, prefix_cache=False)    # prefill() runs the same prompt: time it cold
         self.s = self.e.new_sequence()
         self.prompt, self.n = prompt, len(prompt)
         self.e.forward([SeqInput(self.s, prompt, logits="none")])
