@@ -277,7 +277,7 @@ class FeatureStore:
             logits, hidden = orig(tokens, layout, kv, logit_rows, want, kernels)
             feats = _as_sent(torch.cat([hidden[i] for i in layers], -1))
             for s in layout.seqs:
-                key = s.seq if s.seq >= 0 else int(s.read_slots[0])   # sequences can share position 0's slot
+                key = s.seq                                           # the KV sequence (pack names it)
                 start = s.read_slots.numel() - s.n
                 toks, rows = self.rec.pop(key, ([], []))
                 if len(toks) < start:                                  # a gap we never saw: cannot record

@@ -130,8 +130,8 @@ class Engine(PagedSequences):
         self.rows_processed = 0      # packed rows through the model so far (what compact verify saves)
         # exact only where a position's K/V do not depend on the forward that computed them (batch-invariant
         # engines); SPECDEC_PREFIX_CACHE=0 turns it off, to measure what it saves
-        self.prefix_cache = batch_invariant and not compile_tiers if prefix_cache is None else prefix_cache
-        self.prefix_cache = self.prefix_cache and os.environ.get("SPECDEC_PREFIX_CACHE", "1") != "0"
+        self.prefix_cache = (batch_invariant and not compile_tiers if prefix_cache is None else prefix_cache) \
+            and os.environ.get("SPECDEC_PREFIX_CACHE", "1") != "0"
 
     def healthy(self) -> bool:
         return True
