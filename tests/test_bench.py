@@ -9,7 +9,7 @@ from specdec.bench.report import RequestRecord, StepRecord, alpha_token, leviath
 
 FIELDS = ["requests", "tokens", "wall_s", "tokens_per_s", "decode_tokens_per_s", "steps", "alpha", "alpha_token", "AL",
           "per_position_acceptance", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "draft_ms_per_step",
-          "verify_ms_per_step", "c", "r", "bound", "speedup", "efficiency", "gamma"]
+          "verify_ms_per_step", "c", "r", "bound", "speedup", "efficiency", "bound_al", "eff_al", "gamma"]
 
 
 def test_summarize_arithmetic():
@@ -25,8 +25,28 @@ def test_summarize_arithmetic():
     assert s["c"] == pytest.approx(4.0 / 4 / 20.0) and s["r"] == pytest.approx(0.5 / 20.0)
     assert s["bound"] == pytest.approx(leviathan_gain(s["alpha_token"], 4) / (1 + 4 * s["c"] + s["r"]))
     assert s["efficiency"] == pytest.approx(1.5 / s["bound"])
+    assert s["bound_al"] == pytest.approx(3.0 / (1 + 4 * s["c"] + s["r"]))      # measured AL in place of E(gamma)
+    assert s["eff_al"] == pytest.approx(1.5 / s["bound_al"])
     assert leviathan_gain(0.5, 2) == pytest.approx(1.75)
     assert alpha_token([0.5, 0.25, 0.125]) == pytest.approx(0.5)   # iid: a_j = alpha^j
+
+
+def test_bound_al_holds_where_blocks_end_early():
+    """A run that costs exactly what the Leviathan model charges (a verify = one target step, no overhead) but whose
+    blocks end early (4 slots asked, most steps drafted 1): eff_al is 1; the whole-block bound counts slots no step
+    drafted (alpha_token from the few long blocks, all accepted) and puts efficiency far below."""
+    reqs = [RequestRecord(tokens=21, steps=10, drafted=16, accepted=11, drafted_per_pos=[10, 2, 2, 2],
+                          accepted_per_pos=[5, 2, 2, 2])]
+    steps = [StepRecord(draft_ms=4.0, verify_ms=20.0, other_ms=0.0, rows=2)] * 10
+    base = {"tokens_per_s": 50.0, "verify_ms_per_step": 20.0, "other_ms_per_step": 0.0}
+    s = summarize(reqs, steps, wall_s=0.24, gamma=4, baseline=base)
+    assert s["AL"] == pytest.approx(2.1) and s["speedup"] == pytest.approx(1.75)
+    assert s["eff_al"] == pytest.approx(1.0) and s["decode_speedup"] is None      # no decode figures: end to end
+    reqs[0].itl_s = [0.012] * 20                            # with decode figures: the decode speedup
+    s = summarize(reqs, steps, wall_s=0.24, gamma=4, baseline={**base, "decode_tokens_per_s": 40.0})
+    assert s["decode_speedup"] == pytest.approx(20 / 0.24 / 40.0)
+    assert s["eff_al"] == pytest.approx(s["decode_speedup"] / s["bound_al"])
+    assert s["bound"] == pytest.approx(5 / 1.2) and s["efficiency"] == pytest.approx(0.42)
 
 
 def test_served_bench_alternates_the_order_of_its_runs():

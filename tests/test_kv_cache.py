@@ -1,5 +1,10 @@
+import collections
+
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, multiple, rule
 
 from specdec.engine.kv_cache import KVPool
 from specdec.errors import InvalidRequest, KVPoolExhausted
@@ -149,3 +154,106 @@ def test_rewriting_a_sequence_over_shared_pages_counts_them_as_taken():
     kv.clear_cache()                                          # now b alone holds them: rewriting reuses them
     kv.write([(b, 0, 8)])
     assert kv.length(b) == 8
+
+
+# -- the pool against a model of it, under random operations --------------------------------------------------------
+class PoolMachine(RuleBasedStateMachine):
+    """Random prefills (taking cached prefixes), writes after a rollback, truncations, remembers, frees and cache
+    clears on a small pool of 2-slot pages, with prompts that share prefixes. A position's K is a
+    function of the tokens up to it (an id per prefix), as a forward writes it; after every step each live sequence
+    reads back the K of its own tokens, every page's holder count is its sequences plus the cache, and the free list
+    holds exactly the pages nobody holds. A refused write (KVPoolExhausted) changes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = pool(tokens=20, page=2)
+        self.seqs: dict[int, list[int]] = {}          # sid -> its tokens (K/V valid for all of them)
+        self.ids: dict[tuple, float] = {}             # token prefix -> the K a forward writes at its last position
+
+    def _k(self, toks: list[int]) -> torch.Tensor:
+        return torch.tensor([self.ids.setdefault(tuple(toks[:p + 1]), float(len(self.ids) + 1))
+                             for p in range(len(toks))])
+
+    def _write(self, sid: int, start: int, new: list[int]) -> bool:
+        toks = self.seqs[sid][:start] + new
+        try:
+            self.kv.write([(sid, start, len(new))])
+        except KVPoolExhausted:
+            return False
+        self.kv.k[0, self.kv.slots(sid, start, len(toks)), 0, 0] = self._k(toks)[start:]
+        self.seqs[sid] = toks
+        return True
+
+    sids = Bundle("sids")
+
+    @rule(target=sids, base=st.sampled_from([(0, 1, 2, 0, 1, 2), (0, 1, 2, 2), (1, 1, 1, 1, 1)]),
+          cut=st.integers(0, 6), suffix=st.lists(st.integers(0, 2), max_size=3), keep=st.booleans())
+    def prefill(self, base, cut, suffix, keep):
+        """A prompt that begins like one of a few others (a system prompt); remembered after its prefill, as the
+        engine does, unless `keep` is False."""
+        toks = list(base[:cut]) + suffix or [0]
+        sid = self.kv.allocate()
+        self.seqs[sid] = []
+        m = self.kv.match_prefix(sid, toks)
+        assert m % 2 == 0 and m <= len(toks)
+        self.seqs[sid] = toks[:m]
+        if m < len(toks) and not self._write(sid, m, toks[m:]):
+            self.kv.free(sid)                        # as the engine does with a refused prefill
+            del self.seqs[sid]
+            return multiple()
+        if keep:
+            self.kv.remember(sid, toks)
+        return sid
+
+    @rule(sid=sids, back=st.integers(0, 3), new=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def rollback_and_write(self, sid, back, new):
+        if sid in self.seqs:
+            self._write(sid, max(0, len(self.seqs[sid]) - back), new)
+
+    @rule(sid=sids, n=st.integers(0, 9))
+    def truncate(self, sid, n):
+        if sid in self.seqs and n <= len(self.seqs[sid]):
+            self.kv.truncate(sid, n)
+            self.seqs[sid] = self.seqs[sid][:n]
+
+    @rule(sid=sids)
+    def remember(self, sid):
+        if sid in self.seqs:
+            self.kv.remember(sid, self.seqs[sid])
+
+    @rule(sid=sids)
+    def free(self, sid):
+        if sid in self.seqs:
+            self.kv.free(sid)
+            del self.seqs[sid]
+
+    @rule()
+    def clear_cache(self):
+        self.kv.clear_cache()
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for sid, toks in self.seqs.items():
+            assert self.kv.length(sid) == len(toks)
+            assert torch.equal(self.kv.k[0, self.kv.slots(sid, 0, len(toks)), 0, 0], self._k(toks))
+
+    @invariant()
+    def holders_and_free_pages_add_up(self):
+        kv, held = self.kv, collections.Counter()
+        for sid in self.seqs:
+            held.update(kv._seqs[sid].pages)
+        held.update(page for _, page in kv._cached.values())
+        assert [kv._holders[p] for p in range(kv.num_pages)] == [held[p] for p in range(kv.num_pages)]
+        assert sorted(kv._free) == [p for p in range(kv.num_pages) if not held[p]]
+        cache_only = sum(held[page] == 1 for _, page in kv._cached.values())
+        assert kv.free_tokens == (len(kv._free) + cache_only) * kv.page_size
+
+    def teardown(self):
+        for sid in list(self.seqs):
+            self.kv.free(sid)
+        self.kv.clear_cache()
+        assert self.kv.free_tokens == 20 and sorted(self.kv._free) == list(range(10))
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_pool_against_its_model = PoolMachine.TestCase

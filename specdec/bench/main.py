@@ -19,8 +19,10 @@ from .prompts import encode, load_prompts
 from .report import RequestRecord, StepRecord, summarize
 
 COLUMNS = [("gamma", "{:>5}"), ("tokens_per_s", "{:>8.1f}"), ("decode_tokens_per_s", "{:>8.1f}"),
-           ("speedup", "{:>7.2f}"), ("alpha", "{:>6.2f}"), ("alpha_token", "{:>6.2f}"), ("AL", "{:>5.2f}"), ("c", "{:>5.2f}"), ("r", "{:>6.3f}"), ("bound", "{:>6.2f}"),
-           ("efficiency", "{:>6.2f}"), ("ttft_p50_s", "{:>7.3f}"), ("itl_p50_s", "{:>7.4f}"), ("itl_p99_s", "{:>7.4f}")]
+           ("speedup", "{:>7.2f}"), ("decode_speedup", "{:>8.2f}"), ("alpha", "{:>6.2f}"), ("alpha_token", "{:>6.2f}"),
+           ("AL", "{:>5.2f}"), ("c", "{:>5.2f}"), ("r", "{:>6.3f}"), ("bound", "{:>6.2f}"), ("efficiency", "{:>6.2f}"),
+           ("bound_al", "{:>8.2f}"), ("eff_al", "{:>6.2f}"), ("ttft_p50_s", "{:>7.3f}"), ("itl_p50_s", "{:>7.4f}"),
+           ("itl_p99_s", "{:>7.4f}")]
 
 
 def table(rows: list[tuple[str, dict]]) -> str:

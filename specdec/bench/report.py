@@ -1,6 +1,10 @@
 """Benchmark arithmetic, pure functions: per-request and per-step records in, the figures of the performance method
 out (DESIGN.md): alpha, AL, per-position acceptance, tokens/s, speedup, TTFT/ITL percentiles, c, r, the Leviathan
-bound E(gamma) / (1 + gamma c + r) and efficiency = speedup / bound."""
+bound E(gamma) / (1 + gamma c + r) and efficiency = speedup / bound; and the same bound with the measured AL in place of
+E(gamma) (bound_al, eff_al), which holds where blocks end early (a drafter's min_conf, the cost planner): there
+alpha_token counts only the slots that were verified, so E(gamma) counts gamma slots no step drafted.
+eff_al = decode speedup / bound_al: what a step's costs beyond the Leviathan model (verify rows dearer than a decode,
+the service's own time) leave of it."""
 from __future__ import annotations
 
 import dataclasses
@@ -82,8 +86,14 @@ def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float,
             if baseline["verify_ms_per_step"] else 0
         bound = leviathan_gain(out["alpha_token"], gamma) / (1 + gamma * c + max(0.0, r))
         speedup = out["tokens_per_s"] / baseline["tokens_per_s"] if baseline["tokens_per_s"] else 0
+        # decode speedup where both runs have it: the model prices decode steps alone, and the prefill (the same for
+        # both, plus a draft model's own) would dilute it
+        dec, base_dec = out["decode_tokens_per_s"], baseline.get("decode_tokens_per_s")
+        decode_speedup = dec / base_dec if dec and base_dec else None
+        bound_al = out["AL"] / (1 + gamma * c + max(0.0, r))
         out.update(c=c, r=r, bound=bound, speedup=speedup, efficiency=speedup / bound if bound else 0,
-                   baseline_step_ms=t_step)
+                   decode_speedup=decode_speedup, bound_al=bound_al,
+                   eff_al=(decode_speedup or speedup) / bound_al if bound_al else 0, baseline_step_ms=t_step)
     return out
 
 
