@@ -8,7 +8,9 @@ the caller can queue the request (KVPoolExhausted).
 
 Prefix cache: full pages of a prompt stay behind, keyed by their tokens and the page before them, for the next prompt
 that begins the same way (chat requests share a system prompt). `match_prefix` hands a new sequence the cached pages
-its tokens begin with, `remember` offers a prefilled sequence's full pages. A page counts its holders (sequences and
+its tokens begin with, and then the cached page that shares the longest start with the rest of them (a system prompt
+rarely ends on a page boundary: its tail shares a page with the first user turn); `remember` offers a prefilled
+sequence's full pages. A page counts its holders (sequences and
 the cache); one only the cache holds is free for the asking (`free_tokens` counts it) and is evicted least recently
 used first when a write needs room. A write into a shared page copies it first. Reusing K/V is exact where the engine
 is batch-invariant: a position's K/V are a function of the tokens up to it, whatever forward computed them.
@@ -22,6 +24,11 @@ import itertools
 import torch
 
 from ..errors import InvalidRequest, KVPoolExhausted
+
+
+def _agree(a: tuple, b: tuple) -> int:
+    """How many leading tokens two runs share."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclasses.dataclass
@@ -46,6 +53,7 @@ class KVPool:
         # prefix cache: (parent node, the page's tokens) -> (node, page); least recently used first. Node ids are never
         # reused, so a page whose parent was evicted can no longer be reached, and it is evicted in its turn.
         self._cached: collections.OrderedDict[tuple, tuple[int, int]] = collections.OrderedDict()
+        self._children: dict[int, set[tuple]] = collections.defaultdict(set)   # parent node -> its keys
         self._nodes = itertools.count(1)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
@@ -100,32 +108,44 @@ class KVPool:
         """Give back up to n pages that only the cache holds, least recently used first."""
         for key in [k for k, (_, page) in self._cached.items() if self._holders[page] == 1][:n]:
             self._drop([self._cached.pop(key)[1]])
+            self._children[key[0]].discard(key)
 
     # -- prefix cache ----------------------------------------------------------------------------------------------
     def clear_cache(self) -> None:
         """Forget every cached prefix (pages only the cache held go back to the pool): the next prompts run cold."""
         self._drop([page for _, page in self._cached.values()])
         self._cached.clear()
+        self._children.clear()
 
     def match_prefix(self, sid: int, tokens) -> int:
-        """An empty sequence takes the cached pages that `tokens` begin with; returns how many positions it now has
-        (a multiple of page_size)."""
+        """An empty sequence takes the cached pages that `tokens` begin with, whole pages first, then the one page
+        whose start agrees longest with the rest (shared: the sequence's first write into it copies it); returns how
+        many positions the sequence now has."""
         s, ps = self._seq(sid), self.page_size
         if s.length:
             raise InvalidRequest("a prefix is matched only by an empty sequence", field="seq")
-        parent, keys = 0, []
-        for i in range(len(tokens) // ps):
-            key = (parent, tuple(tokens[i * ps:(i + 1) * ps]))
-            if key not in self._cached:
-                break
+        tokens = list(tokens)
+        parent, keys, n = 0, [], 0
+        while n < len(tokens):
+            rest = tuple(tokens[n:n + ps])
+            key = (parent, rest)
+            if len(rest) == ps and key in self._cached:
+                t = ps
+            else:                       # the child page agreeing longest with the rest, if any agrees at all
+                t, key = max(((_agree(k[1], rest), k) for k in self._children.get(parent, ())), default=(0, None))
+                if not t:
+                    break
             parent, page = self._cached[key]
             keys.append(key)
             s.pages.append(page)
             self._holders[page] += 1
+            n += t
+            if t < ps:
+                break
         for key in reversed(keys):      # a page's parent more recent than it: evicted after it
             self._cached.move_to_end(key)
-        s.length = len(keys) * ps
-        return s.length
+        s.length = n
+        return n
 
     def remember(self, sid: int, tokens) -> None:
         """Offer the sequence's full pages that hold `tokens` (its positions from 0) to the cache. Pages whose tokens
@@ -135,6 +155,7 @@ class KVPool:
             key = (parent, tuple(tokens[i * ps:(i + 1) * ps]))
             if key not in self._cached:
                 self._cached[key] = (next(self._nodes), s.pages[i])
+                self._children[parent].add(key)
                 self._holders[s.pages[i]] += 1
             parent = self._cached[key][0]
 
