@@ -132,6 +132,9 @@ class Engine(PagedSequences):
         # engines); SPECDEC_PREFIX_CACHE=0 turns it off, to measure what it saves
         self.prefix_cache = (batch_invariant and not compile_tiers if prefix_cache is None else prefix_cache) \
             and os.environ.get("SPECDEC_PREFIX_CACHE", "1") != "0"
+        # with the cache: each sequence's tokens whose K/V its pages hold, so that a released sequence leaves its full
+        # pages behind (a chat's next turn begins with this turn's prompt and answer)
+        self._written: dict[int, list[int]] = {}
 
     def healthy(self) -> bool:
         return True
@@ -142,8 +145,17 @@ class Engine(PagedSequences):
     def close(self) -> None:
         pass
 
+    def release(self, seq: int) -> None:
+        written = self._written.pop(seq, None)
+        if written is not None and seq in self.kv:
+            self.kv.remember(seq, written)
+        super().release(seq)
+
     @torch.inference_mode()
     def forward(self, inputs: list[SeqInput], hidden_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        given = inputs
+        starts = [self.kv.length(inp.seq) if inp.start is None else inp.start for inp in given] \
+            if self.prefix_cache else []
         fresh = self._fresh_prefills(inputs) if self.prefix_cache else {}
         if fresh and not hidden_layers:          # rows whose K/V are cached are not run again
             inputs = [self._after_cached_prefix(inp, fresh[inp.seq]) if inp.seq in fresh else inp for inp in inputs]
@@ -159,8 +171,15 @@ class Engine(PagedSequences):
         kernels = self.kernels_for(layout)
         self.path_counts["compiled" if kernels else "eager"] += 1
         kernels = kernels or self._eager
-        logits, hidden = self.model(layout.tokens.to(self.device), layout, self.kv, layout.logit_rows.to(self.device),
-                                    hidden_layers, kernels)
+        try:
+            logits, hidden = self.model(layout.tokens.to(self.device), layout, self.kv,
+                                        layout.logit_rows.to(self.device), hidden_layers, kernels)
+        except BaseException:
+            for inp in given:                    # K/V half written: these sequences leave nothing behind
+                self._written.pop(inp.seq, None)
+            raise
+        if self.prefix_cache:
+            self._note_written(given, starts)
         for seq, toks in fresh.items():
             self.kv.remember(seq, toks)
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -168,6 +187,16 @@ class Engine(PagedSequences):
 
     def clear_prefix_cache(self) -> None:
         self.kv.clear_cache()
+
+    def _note_written(self, inputs: list[SeqInput], starts: list[int]) -> None:
+        """Each input's tokens now hold positions start.. of its sequence (a record with a gap is dropped)."""
+        for inp, start in zip(inputs, starts):
+            had = self._written.setdefault(inp.seq, [])
+            if len(had) < start:
+                del self._written[inp.seq]
+                continue
+            del had[start:]                      # in place: a decode step appends one token, not the whole list
+            had.extend(inp.tokens.reshape(-1).tolist() if isinstance(inp.tokens, torch.Tensor) else inp.tokens)
 
     def _fresh_prefills(self, inputs: list[SeqInput]) -> dict[int, list[int]]:
         """sequence -> tokens, for each input that writes an empty sequence from position 0, a full page or more."""
