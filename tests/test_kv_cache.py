@@ -247,6 +247,10 @@ class PoolMachine(RuleBasedStateMachine):
         assert sorted(kv._free) == [p for p in range(kv.num_pages) if not held[p]]
         cache_only = sum(held[page] == 1 for _, page in kv._cached.values())
         assert kv.free_tokens == (len(kv._free) + cache_only) * kv.page_size
+        children = collections.defaultdict(set)                  # the index of children: the cached keys, no more
+        for key in kv._cached:
+            children[key[0]].add(key)
+        assert dict(kv._children) == dict(children)
 
     def teardown(self):
         for sid in list(self.seqs):

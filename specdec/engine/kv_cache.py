@@ -9,11 +9,12 @@ the caller can queue the request (KVPoolExhausted).
 Prefix cache: full pages of a prompt stay behind, keyed by their tokens and the page before them, for the next prompt
 that begins the same way (chat requests share a system prompt). `match_prefix` hands a new sequence the cached pages
 its tokens begin with, and then the cached page that shares the longest start with the rest of them (a system prompt
-rarely ends on a page boundary: its tail shares a page with the first user turn); `remember` offers a prefilled
-sequence's full pages. A page counts its holders (sequences and
-the cache); one only the cache holds is free for the asking (`free_tokens` counts it) and is evicted least recently
-used first when a write needs room. A write into a shared page copies it first. Reusing K/V is exact where the engine
-is batch-invariant: a position's K/V are a function of the tokens up to it, whatever forward computed them.
+rarely ends on a page boundary: its tail shares a page with the first user turn); `remember` offers a sequence's full
+pages (the engine offers a prompt's after its prefill, and a released sequence's: a chat's next turn begins with the
+last one). A page counts its holders (sequences and the cache); one only the cache holds is free for the asking
+(`free_tokens` counts it) and is evicted least recently used first when a write needs room. A write into a shared
+page copies it first. Reusing K/V is exact where the engine is batch-invariant: a position's K/V are a function of the
+tokens up to it, whatever forward computed them.
 """
 from __future__ import annotations
 
@@ -108,7 +109,10 @@ class KVPool:
         """Give back up to n pages that only the cache holds, least recently used first."""
         for key in [k for k, (_, page) in self._cached.items() if self._holders[page] == 1][:n]:
             self._drop([self._cached.pop(key)[1]])
-            self._children[key[0]].discard(key)
+            siblings = self._children[key[0]]
+            siblings.discard(key)
+            if not siblings:                    # node ids are never reused: no empty entries left behind
+                del self._children[key[0]]
 
     # -- prefix cache ----------------------------------------------------------------------------------------------
     def clear_cache(self) -> None:
