@@ -44,6 +44,11 @@ class Metrics:
                              registry=r).labels(**lab)
         self.kv_free_tokens = Gauge("specdec:kv_free_tokens", "Target KV cache slots (tokens) held by no request.",
                                     ["model_name"], registry=r).labels(**lab)
+        self.prefix_queries = counter("specdec:prefix_cache_queries",
+                                      "Prompt tokens prefilled through the prefix cache (all but each prompt's last).")
+        self.prefix_hits = counter("specdec:prefix_cache_hits",
+                                   "Prompt tokens whose K/V the prefix cache held (not run again).")
+        self._prefix_seen = (0, 0)
         self.store_errors = counter("specdec:state_store_errors",
                                     "Commit attempts that failed because the state store was unavailable.")
         self.store_round_trips = Gauge("specdec:store_round_trips", "Network round trips to the state store so far.",
@@ -52,6 +57,16 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
         self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between streamed tokens.", ["model_name"],
                              buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
+
+    def observe_cache(self, engine) -> None:
+        """The engine's prefix-cache totals since the last call (backends without the cache have none)."""
+        q, h = getattr(engine, "prefix_queries", None), getattr(engine, "prefix_hits", None)
+        if q is None or h is None:
+            return
+        q0, h0 = self._prefix_seen
+        self.prefix_queries.labels(**self.labels).inc(q - q0)
+        self.prefix_hits.labels(**self.labels).inc(h - h0)
+        self._prefix_seen = (q, h)
 
     def observe_step(self, jobs, info: StepInfo, total_s: float) -> None:
         lab = self.labels

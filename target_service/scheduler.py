@@ -574,3 +574,5 @@ class Scheduler:
             self.metrics.waiting.set(len(self.waiting))
             if hasattr(self.metrics, "kv_free_tokens"):
                 self.metrics.kv_free_tokens.set(self.engine.kv_free_tokens)
+            if hasattr(self.metrics, "observe_cache"):
+                self.metrics.observe_cache(self.engine)

@@ -212,7 +212,8 @@ def test_metrics_exposed(target):
     for name in ("specdec:spec_decode_num_drafts_total", "specdec:spec_decode_num_draft_tokens_total",
                  "specdec:spec_decode_num_accepted_tokens_total", "specdec:spec_decode_num_accepted_tokens_per_pos_total",
                  "specdec:time_to_first_token_seconds_bucket", "specdec:inter_token_latency_seconds_bucket",
-                 "specdec:num_requests_running", "specdec:num_requests_waiting"):
+                 "specdec:num_requests_running", "specdec:num_requests_waiting", "specdec:prefix_cache_queries_total",
+                 "specdec:prefix_cache_hits_total"):
         assert name in text, name
     drafts = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("specdec:spec_decode_num_drafts_total")]
     assert drafts and drafts[0] > 0
@@ -221,6 +222,29 @@ def test_metrics_exposed(target):
 def counter(t: Target, name: str) -> float:
     return sum(float(x.split()[-1]) for x in httpx.get(t.url + "/metrics").text.splitlines()
                if x.startswith(name + "{") or x.startswith(name + " "))
+
+
+def test_a_chats_next_turn_reuses_the_last_answer(target, lm):
+    """The target's prefix cache keeps a finished request's pages: a chat's next turn (the first turn's prompt, its
+    answer, a new user message; token ids, as this tiny model's tokenizer does not give an answer's ids back from its
+    text) takes the first turn's prompt and its answer's full pages from the cache, and its output is still
+    target-only decoding's. The metrics count the prompt tokens prefilled and those found."""
+    c = client(target)
+    first = lm.tokenizer.chat([{"role": "user", "content": "tell me a long story about a fox and a crow"}])
+    text, ref = reference(lm, first, 48)
+    assert c.completions.create(model="tiny-llama", prompt=first, max_tokens=48, temperature=0).choices[0].text == text
+    answer = ref.tokens
+    assert len(answer) >= 32
+    second = first + answer + lm.tokenizer.encode("and then?")
+    q0, h0 = counter(target, "specdec:prefix_cache_queries_total"), counter(target, "specdec:prefix_cache_hits_total")
+    want, _ = reference(lm, second, 8)
+    assert c.completions.create(model="tiny-llama", prompt=second, max_tokens=8, temperature=0).choices[0].text == want
+    deadline = time.time() + 10                               # the counters follow the scheduler's loop
+    while counter(target, "specdec:prefix_cache_queries_total") == q0 and time.time() < deadline:
+        time.sleep(0.05)
+    assert counter(target, "specdec:prefix_cache_queries_total") - q0 == len(second) - 1    # all but the anchor
+    # the first turn wrote the K/V of its prompt and all but its last answer token: its full pages are found
+    assert counter(target, "specdec:prefix_cache_hits_total") - h0 >= (len(first) + len(answer) - 1) // 16 * 16
 
 
 def test_draft_killed_mid_stream_then_restarted(tmp, lm, redis_url):

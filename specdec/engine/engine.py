@@ -135,6 +135,7 @@ class Engine(PagedSequences):
         # with the cache: each sequence's tokens whose K/V its pages hold, so that a released sequence leaves its full
         # pages behind (a chat's next turn begins with this turn's prompt and answer)
         self._written: dict[int, list[int]] = {}
+        self.prefix_queries = self.prefix_hits = 0     # prompt tokens looked up in the cache, and found (metrics)
 
     def healthy(self) -> bool:
         return True
@@ -209,6 +210,8 @@ class Engine(PagedSequences):
         if inp.logits == "all":
             return inp
         n = self.kv.match_prefix(inp.seq, toks[:-1])
+        self.prefix_queries += len(toks)
+        self.prefix_hits += n
         return SeqInput(inp.seq, toks[n:], start=n, logits=inp.logits) if n else inp
 
     def kernels_for(self, layout: Layout):
