@@ -49,6 +49,8 @@ class KVPool:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: recently freed pages are reused first
         self._holders = [0] * self.num_pages                   # sequences holding each page, + 1 if the cache does
+        self._in_cache = [False] * self.num_pages
+        self._cache_only = 0                                   # cached pages no sequence holds (free for the asking)
         self._seqs: dict[int, _Seq] = {}
         self._ids = itertools.count()
         # prefix cache: (parent node, the page's tokens) -> (node, page); least recently used first. Node ids are never
@@ -73,7 +75,7 @@ class KVPool:
 
     @property
     def free_tokens(self) -> int:
-        return (len(self._free) + self._evictable()) * self.page_size
+        return (len(self._free) + self._cache_only) * self.page_size
 
     @property
     def cached_pages(self) -> int:
@@ -96,19 +98,33 @@ class KVPool:
         self._holders[page] = 1
         return page
 
+    def _hold(self, page: int, d: int) -> None:
+        """One holder more (d = 1) or fewer (-1); counts the cached pages only the cache holds as it goes."""
+        before = self._holders[page]
+        self._holders[page] = before + d
+        if self._in_cache[page]:
+            self._cache_only += (before + d == 1) - (before == 1)
+        if not self._holders[page]:
+            self._free.append(page)
+
     def _drop(self, pages) -> None:
         for page in pages:
-            self._holders[page] -= 1
-            if not self._holders[page]:
-                self._free.append(page)
+            self._hold(page, -1)
 
-    def _evictable(self) -> int:
-        return sum(self._holders[page] == 1 for _, page in self._cached.values())
+    def _cache(self, page: int) -> None:
+        self._hold(page, 1)
+        self._in_cache[page] = True
+
+    def _uncache(self, page: int) -> None:
+        self._cache_only -= self._holders[page] == 1
+        self._in_cache[page] = False
+        self._hold(page, -1)
 
     def _evict(self, n: int) -> None:
         """Give back up to n pages that only the cache holds, least recently used first."""
-        for key in [k for k, (_, page) in self._cached.items() if self._holders[page] == 1][:n]:
-            self._drop([self._cached.pop(key)[1]])
+        only_cached = (k for k, (_, page) in self._cached.items() if self._holders[page] == 1)
+        for key in list(itertools.islice(only_cached, n)):      # from the least recent, no further than the n-th
+            self._uncache(self._cached.pop(key)[1])
             siblings = self._children[key[0]]
             siblings.discard(key)
             if not siblings:                    # node ids are never reused: no empty entries left behind
@@ -117,7 +133,8 @@ class KVPool:
     # -- prefix cache ----------------------------------------------------------------------------------------------
     def clear_cache(self) -> None:
         """Forget every cached prefix (pages only the cache held go back to the pool): the next prompts run cold."""
-        self._drop([page for _, page in self._cached.values()])
+        for _, page in self._cached.values():
+            self._uncache(page)
         self._cached.clear()
         self._children.clear()
 
@@ -142,7 +159,7 @@ class KVPool:
             parent, page = self._cached[key]
             keys.append(key)
             s.pages.append(page)
-            self._holders[page] += 1
+            self._hold(page, 1)
             n += t
             if t < ps:
                 break
@@ -160,7 +177,7 @@ class KVPool:
             if key not in self._cached:
                 self._cached[key] = (next(self._nodes), s.pages[i])
                 self._children[parent].add(key)
-                self._holders[s.pages[i]] += 1
+                self._cache(s.pages[i])
             parent = self._cached[key][0]
 
     # -- growth and rollback ---------------------------------------------------------------------------------------
