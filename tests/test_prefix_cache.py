@@ -66,6 +66,29 @@ def test_a_refused_prefill_leaves_the_sequence_empty():
     assert e.length(s) == 40
 
 
+@pytest.mark.parametrize("name,dtype", [("tiny-llama", "float64"), ("tiny-qwen2", "bfloat16")])
+def test_a_burst_of_prompts_with_one_system_prompt_runs_it_once(name, dtype):
+    """Prompts prefilled together that begin alike: the first runs in a forward of its own (with the others that
+    share nothing), the rest after it, taking its full pages; logits bitwise. Below SHARE_MIN_ROWS rows saved, one
+    forward as before."""
+    model = load(name, dtype).model
+    V = model.cfg.vocab_size
+    system = random_prompt(V, 50, 0)
+    burst = [system + random_prompt(V, k, k) for k in (5, 9, 13)] + [random_prompt(V, 30, 7)]
+    plain = Engine(model, kv_tokens=2048, prefix_cache=False)
+    cached = Engine(model, kv_tokens=2048, prefix_cache=True)
+    want = plain.prefill([plain.new_sequence() for _ in burst], burst)
+    forwards = cached.path_counts["eager"]
+    assert torch.equal(cached.prefill([cached.new_sequence() for _ in burst], burst), want)
+    assert cached.path_counts["eager"] - forwards == 2
+    assert plain.rows_processed - cached.rows_processed == 48 + 48     # the first prompt's three full pages, twice
+    other = random_prompt(V, 20, 3)
+    pair = [other + random_prompt(V, 9, 1), other + random_prompt(V, 9, 2)]      # one page (16 rows) to share
+    forwards, rows = cached.path_counts["eager"], cached.rows_processed
+    cached.prefill([cached.new_sequence() for _ in pair], pair)
+    assert cached.path_counts["eager"] - forwards == 1 and cached.rows_processed - rows == 58
+
+
 def _turn(engine: Engine, prompt: list[int]) -> tuple[int, list[int], list[torch.Tensor]]:
     """A prefilled prompt, 8 greedy decodes, a 4-row verify that keeps one draft (the bonus token overwrites the
     second row, in a page that fills later), 22 decodes: (sequence, the tokens whose K/V its pages hold, every

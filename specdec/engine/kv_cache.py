@@ -21,13 +21,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+from collections.abc import Sequence
 
 import torch
 
 from ..errors import InvalidRequest, KVPoolExhausted
 
 
-def _agree(a: tuple, b: tuple) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two runs share."""
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -138,6 +139,10 @@ class KVPool:
         self._cached.clear()
         self._children.clear()
 
+    def holds_first_page(self, tokens) -> bool:
+        """Whether the cache holds a first page of these page_size tokens."""
+        return (0, tuple(tokens)) in self._cached
+
     def match_prefix(self, sid: int, tokens) -> int:
         """An empty sequence takes the cached pages that `tokens` begin with, whole pages first, then the one page
         whose start agrees longest with the rest (shared: the sequence's first write into it copies it); returns how
@@ -153,7 +158,8 @@ class KVPool:
             if len(rest) == ps and key in self._cached:
                 t = ps
             else:                       # the child page agreeing longest with the rest, if any agrees at all
-                t, key = max(((_agree(k[1], rest), k) for k in self._children.get(parent, ())), default=(0, None))
+                t, key = max(((common_prefix(k[1], rest), k) for k in self._children.get(parent, ())),
+                             default=(0, None))
                 if not t:
                     break
             parent, page = self._cached[key]
