@@ -242,7 +242,8 @@ class Engine(PagedSequences):
         later = self._followers(prompts) if self.prefix_cache else []
         if not later:
             return self._prefill(seqs, prompts, chunk_tokens)
-        first = [i for i in range(len(seqs)) if i not in set(later)]
+        skip = set(later)
+        first = [i for i in range(len(seqs)) if i not in skip]
         out: list[torch.Tensor | None] = [None] * len(seqs)
         for part in (first, later):
             for i, row in zip(part, self._prefill([seqs[i] for i in part], [prompts[i] for i in part], chunk_tokens)):

@@ -410,8 +410,9 @@ class TPEngine(PagedSequences):
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
 
-    prefill = Engine.prefill          # chunked prefill and whole-sequence scoring, over this forward
-    score = Engine.score
+    # chunked prefill and whole-sequence scoring, over this forward (which does not use the pool's prefix cache)
+    prefill, _prefill, score = Engine.prefill, Engine._prefill, Engine.score
+    prefix_cache = False
 
     def close(self) -> None:
         """Stop the workers (a STOP message; killed if they do not exit) and leave the process group."""
