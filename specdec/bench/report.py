@@ -84,13 +84,14 @@ def summarize(reqs: list[RequestRecord], steps: list[StepRecord], wall_s: float,
         c = out["draft_ms_per_step"] / gamma / baseline["verify_ms_per_step"] if baseline["verify_ms_per_step"] else 0
         r = (out["other_ms_per_step"] - baseline["other_ms_per_step"]) / baseline["verify_ms_per_step"] \
             if baseline["verify_ms_per_step"] else 0
-        bound = leviathan_gain(out["alpha_token"], gamma) / (1 + gamma * c + max(0.0, r))
+        cost = 1 + gamma * c + max(0.0, r)                    # a step, in target steps, as the bound prices it
+        bound = leviathan_gain(out["alpha_token"], gamma) / cost
         speedup = out["tokens_per_s"] / baseline["tokens_per_s"] if baseline["tokens_per_s"] else 0
         # decode speedup where both runs have it: the model prices decode steps alone, and the prefill (the same for
         # both, plus a draft model's own) would dilute it
         dec, base_dec = out["decode_tokens_per_s"], baseline.get("decode_tokens_per_s")
         decode_speedup = dec / base_dec if dec and base_dec else None
-        bound_al = out["AL"] / (1 + gamma * c + max(0.0, r))
+        bound_al = out["AL"] / cost
         out.update(c=c, r=r, bound=bound, speedup=speedup, efficiency=speedup / bound if bound else 0,
                    decode_speedup=decode_speedup, bound_al=bound_al,
                    eff_al=(decode_speedup or speedup) / bound_al if bound_al else 0, baseline_step_ms=t_step)

@@ -30,6 +30,11 @@ from .row_tiles import probe_row_tiles
 SHARE_MIN_ROWS = 64     # rows a prefill's later prompts must skip to be worth a forward of their own (Engine.prefill)
 
 
+def _ints(tokens) -> list[int]:
+    """Token ids as a list, from a list or a tensor of any shape."""
+    return tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+
+
 @dataclasses.dataclass
 class ForwardOutput:
     logits: torch.Tensor            # [R, V], float32 (float64 for float64 models)
@@ -199,11 +204,11 @@ class Engine(PagedSequences):
                 del self._written[inp.seq]
                 continue
             del had[start:]                      # in place: a decode step appends one token, not the whole list
-            had.extend(inp.tokens.reshape(-1).tolist() if isinstance(inp.tokens, torch.Tensor) else inp.tokens)
+            had.extend(_ints(inp.tokens))
 
     def _fresh_prefills(self, inputs: list[SeqInput]) -> dict[int, list[int]]:
         """sequence -> tokens, for each input that writes an empty sequence from position 0, a full page or more."""
-        return {inp.seq: torch.as_tensor(inp.tokens).reshape(-1).tolist() for inp in inputs
+        return {inp.seq: _ints(inp.tokens) for inp in inputs
                 if not inp.start and len(inp.tokens) > self.kv.page_size and self.kv.length(inp.seq) == 0}
 
     def _after_cached_prefix(self, inp: SeqInput, toks: list[int]) -> SeqInput:
@@ -257,7 +262,7 @@ class Engine(PagedSequences):
         ~55 ms ~12 rows, on a 2-core Xeon)."""
         ps, leaders, later, saved = self.kv.page_size, {}, [], 0
         for i, p in enumerate(prompts):
-            p = torch.as_tensor(p).reshape(-1).tolist()
+            p = _ints(p)
             if len(p) <= ps or self.kv.holds_first_page(p[:ps]):
                 continue
             lead = leaders.setdefault(tuple(p[:ps]), p)
