@@ -191,6 +191,33 @@ def test_packed_kernels_row_invariant(kind):
 
 
 @pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
+def test_qdot_tile_schemes_give_the_same_bits(kind):
+    """The vector path's two tile schemes (wide: quad-wide tiles of up to 6 rows below 32 rows; narrow: up to 4 rows
+    below 8, 8-row one-block tiles from there; the process picks the faster) cut a call's rows differently and give
+    the same bits, each row's those of the row alone. On an AVX2 build there is one scheme and the switch is refused."""
+    from specdec.engine import kernels
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 352, generator=g) * 0.02      # 3 quads and a padded one; 11 groups
+    lin = _qlinear(kind, w, torch.bfloat16)
+    x = torch.randn(41, 352, generator=g).bfloat16()
+    x[9] *= 300
+    kept = kernels.qdot_tiles()
+    try:
+        out = {}
+        for scheme in kernels.TILE_SCHEMES:
+            if kernels.qdot_tiles(scheme) != scheme:
+                assert scheme == "narrow" and kernels.qdot_tiles() == "wide"   # an AVX2 build
+                continue
+            alone = torch.cat([lin.mm(x[i:i + 1]) for i in range(41)])
+            for n in (2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 31, 32, 41):
+                out[scheme, n] = lin.mm(x[:n])
+                assert torch.equal(out[scheme, n], alone[:n]), (scheme, n)
+        assert len(out) in (14, 28)
+    finally:
+        kernels.qdot_tiles(kept)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
 def test_qdot_amx_tiles_give_the_vector_paths_bits(kind):
     """On a CPU with AMX (Sapphire Rapids and later) qdot runs whole tiles of 16 rows of a call of 16 rows or more on
     the tile unit: the same exact int32 dots, the same float chain per output, so the same bits as the vector path

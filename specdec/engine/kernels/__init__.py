@@ -80,6 +80,7 @@ def _load() -> None:
     except Exception as e:   # no compiler / ninja: say so rather than fail deep inside a forward
         raise ModelError(f"could not build the int8-activation kernels: {e}", field="quant",
                          remedy="install a C++ compiler (g++) and ninja, or use --quant int4 / int8") from None
+    _pick_tiles()
 
 
 def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -171,6 +172,50 @@ def qdot_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, of
     dots = torch.einsum("mgj,ngj->mng", xq.double(), codes.reshape(N, K // 32, 32).double())
     sums = (a.double() * xq.double().sum(-1))                                   # a * sum(xq) per group
     return (dots * (a.double()[:, None, :] * scale.double()[None])).sum(-1) + sums @ offset.double().t()
+
+
+TILE_SCHEMES = ("wide", "narrow")
+
+
+def qdot_tiles(scheme: str | None = None) -> str:
+    """The tile scheme of qdot's vector path (qdot.cpp's header): "wide" (quad-wide tiles of up to 6 rows below 32
+    rows) or "narrow" (quad-wide tiles of up to 4 rows below 8, 8-row one-block tiles from 8); `scheme` switches it for
+    this process. The bits are the same either way; which is faster depends on the CPU. The AVX2 build has one."""
+    _load()
+    return TILE_SCHEMES[torch.ops.specdec.qdot_tiles(-1 if scheme is None else TILE_SCHEMES.index(scheme))]
+
+
+def _pick_tiles() -> None:
+    """Choose the tile scheme once per process: SPECDEC_QDOT_TILES=wide|narrow, else (auto) time both at 8 rows of a
+    Qwen-1.5B-sized weight (2048 x 1536, 4-bit; ~20 ms in all) and keep wide unless narrow takes under 0.95 of its
+    time. Measured: narrow 0.86x wide's time at 8-16 rows on a Zen 4 EPYC, wide 0.63x narrow's at 8 rows on a
+    Sapphire Rapids Xeon."""
+    choice = os.environ.get("SPECDEC_QDOT_TILES", "auto")
+    if choice in TILE_SCHEMES:
+        torch.ops.specdec.qdot_tiles(TILE_SCHEMES.index(choice))
+        return
+    if torch.ops.specdec.qdot_tiles(1) != 1:          # one scheme only (AVX2)
+        return
+    import statistics
+    import time
+    g = torch.Generator().manual_seed(0)
+    N, K = 2048, 1536
+    # codes 0..15, scale 1/64, offset -1/8 in fp16, in the packed layout's record order (values do not matter)
+    rec = torch.randint(0, 256, (N // 64, K // 32, 4, 4 * 64 + 64), dtype=torch.uint8, generator=g)
+    rec[..., 256:] = torch.tensor([1 / 64] * 16 + [-1 / 8] * 16, dtype=torch.float16).view(torch.uint8)
+    x = torch.randn(8, K, generator=g).to(torch.bfloat16)
+    times: dict[int, list[float]] = {0: [], 1: []}
+    with torch.inference_mode():
+        for _ in range(5):
+            for scheme in (0, 1):
+                torch.ops.specdec.qdot_tiles(scheme)
+                torch.ops.specdec.qdot(x, rec, 4, N)
+                t = time.perf_counter()
+                for _ in range(4):
+                    torch.ops.specdec.qdot(x, rec, 4, N)
+                times[scheme].append(time.perf_counter() - t)
+    narrow = statistics.median(times[1]) < 0.95 * statistics.median(times[0])
+    torch.ops.specdec.qdot_tiles(1 if narrow else 0)
 
 
 def qdot_amx(enable: bool | None = None) -> bool:

@@ -22,9 +22,12 @@
 // record unpacked once for all of them; calls of 32 rows or more run one block at a time, 8 rows a tile, the quad's
 // records then read from the cache. On a 2-core Sapphire Rapids (vector path, Qwen 1.5B-shaped weights) 4-row
 // quad-wide tiles took 0.63x the time of 8-row one-block tiles at 8 rows, 0.85x at 16, the same at 32 and 1.1x at
-// 64-128; and 6-row quad-wide tiles 0.72-0.86x the time of 4-row ones at 5-6 rows (spills and all). With AMX
-// (below) calls of 16 rows or more run whole 16-row tiles on the tile unit. Compiled at first use by
-// kernels/__init__.py with -march=native.
+// 64-128; and 6-row quad-wide tiles 0.72-0.86x the time of 4-row ones at 5-6 rows (spills and all). A 2-core Zen 4
+// EPYC, which runs each 512-bit op as two 256-bit halves, is the other way round: 8-row one-block tiles took 0.86x
+// the time of quad-wide ones at 8-16 rows, and 4-row quad-wide tiles 0.92x that of 6-row ones at 6 rows. So both
+// schemes are built, and kernels/__init__.py times them once per process and picks one (qdot_tiles). Which tiles run
+// never changes a bit. With AMX (below) calls of 16 rows or more run whole 16-row tiles on the tile unit. Compiled
+// at first use by kernels/__init__.py with -march=native.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -47,11 +50,15 @@ constexpr int B = 16;      // outputs per block (lanes of a vector)
 constexpr int Q = 4;       // blocks per quad
 constexpr int ROWS = 8;    // rows of a one-block tile
 constexpr int ONE_BLOCK_ROWS = 32;   // calls of fewer rows run quad-wide tiles only
+// The tile scheme: 0 wide (quad-wide tiles of up to WIDE rows below ONE_BLOCK_ROWS rows), 1 narrow (quad-wide tiles
+// of up to NARROW rows below ROWS rows, 8-row one-block tiles from there)
+int tile_scheme = 0;
 template <int BITS> constexpr int REC = G * B * BITS / 8 + 4 * B;   // bytes of a record: codes, scales, offsets
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // 16 int32 / float lanes in one zmm
 constexpr int WIDE = 6;    // rows of a quad-wide tile
+constexpr int NARROW = 4;  // rows of a quad-wide tile, narrow scheme
 struct VI { __m512i v; };
 struct VF { __m512 v; };
 inline VI load64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
@@ -84,6 +91,7 @@ inline void fstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 // AVX2: the same 16 lanes as two ymm (outputs 0-7 and 8-15; their bytes are the first and second 32 of a row);
 // 16 registers hold a quad's 4 accumulators for one row, no more
 constexpr int WIDE = 1;
+constexpr int NARROW = 1;
 struct VI { __m256i l, h; };
 struct VF { __m256 l, h; };
 inline VI load64(const uint8_t* p) {
@@ -359,6 +367,8 @@ void run(const uint8_t* packed, const int8_t* xq, const float* a, const float* a
   }
 #endif
   if (m_done == M) return;
+  const bool narrow = tile_scheme == 1;
+  const int64_t one_block_from = narrow ? ROWS : ONE_BLOCK_ROWS;
   at::parallel_for(0, n_quads, 1, [&](int64_t q0, int64_t q1) {
     for (int64_t q = q0; q < q1; ++q) {
       const uint8_t* quad = packed + q * ng * Q * REC<BITS>;
@@ -366,11 +376,15 @@ void run(const uint8_t* packed, const int8_t* xq, const float* a, const float* a
       for (int64_t m = m_done; m < M;) {
         const Rows x{xq + m * K, a + m * ng, asum + m * ng};
         const int64_t left = M - m;
-        if ((M >= ONE_BLOCK_ROWS && left >= ROWS) || (WIDE == 1 && left > 1)) {   // one block at a time, 8 rows
+        if ((M >= one_block_from && left >= ROWS) || (WIDE == 1 && left > 1)) {   // one block at a time, 8 rows
           const int r = static_cast<int>(std::min<int64_t>(ROWS, left));
           for (int j = 0; j < Q; ++j) tile_r<BITS, 1, ROWS, T>(r, quad, j, x, K, N, n0 + j * B, y + m * N + n0 + j * B);
           m += r;
-        } else {                                           // the quad's 4 blocks side by side
+        } else if (narrow) {                               // the quad's 4 blocks side by side
+          const int r = static_cast<int>(std::min<int64_t>(NARROW, left));
+          tile_r<BITS, Q, NARROW, T>(r, quad, 0, x, K, N, n0, y + m * N + n0);
+          m += r;
+        } else {
           const int r = static_cast<int>(std::min<int64_t>(WIDE, left));
           tile_r<BITS, Q, WIDE, T>(r, quad, 0, x, K, N, n0, y + m * N + n0);
           m += r;
@@ -474,9 +488,17 @@ bool qdot_amx(int64_t enable) {
 #endif
 }
 
+// The tile scheme of the vector path (scheme: 0 wide, 1 narrow, -1 leave as is): returns the one in use.
+// The AVX2 build has one (tiles of one row); it stays 0.
+int64_t qdot_tiles(int64_t scheme) {
+  if (WIDE > 1 && (scheme == 0 || scheme == 1)) tile_scheme = static_cast<int>(scheme);   // AVX2: one scheme
+  return tile_scheme;
+}
+
 TORCH_LIBRARY(specdec, m) {
   m.def("qdot(Tensor x, Tensor packed, int bits, int n) -> Tensor");
   m.def("qdot_amx(int enable) -> bool", qdot_amx);
+  m.def("qdot_tiles(int scheme) -> int", qdot_tiles);
 }
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("qdot", qdot);
