@@ -115,17 +115,17 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
     for r in reqs:
         planner.alpha[r.rid] = 0.05                                 # a history of rejections
     planner.gamma(reqs[0]), planner.gamma(reqs[0])                 # "g" stopped drafting two steps before "c"
-    one = [Proposal(1, [2], [0.05]), Proposal(1, [2], [0.05]), props[2]]
-    none = [Proposal(1, [], []), Proposal(1, [], []), props[2]]
+    one, none = Proposal(1, [2], [0.05]), Proposal(1, [], [])
     blocks = []
-    for _ in range(10 * planner.explore_every):                    # a step: blocks per request, then the plan
+    for _ in range(20 * planner.explore_every):                    # a step: blocks per request, then the plan
         blocks.append([planner.gamma(r) for r in reqs])
-        vlen = planner(reqs, one if blocks[-1][0] else none)
-        assert vlen == ([2, 2, 7] if blocks[-1][0] else [1, 1, 7])     # an explored draft is verified
-    # drafting does not pay: no draft, except that both explore (at the adaptive length, here 1) on the same steps,
-    # at most one in explore_every, so that one step pays the drafter for both
+        vlen = planner(reqs, [one if b else none for b in blocks[-1][:2]] + [props[2]])
+        assert vlen == [1 + (b > 0) for b in blocks[-1][:2]] + [7]  # an explored draft is verified
+    # drafting does not pay: no draft, except that the two explore (at the adaptive length, here 1) in turn, one a
+    # step, on the exploration steps, at most one in explore_every
     explored = [i for i, b in enumerate(blocks) if b != [0, 0, 6]]
-    assert len(explored) >= 2 and all(blocks[i] == [1, 1, 6] for i in explored)
+    assert len(explored) >= 4 and all(sorted(blocks[i][:2]) == [0, 1] and blocks[i][2] == 6 for i in explored)
+    assert [blocks[i][0] for i in explored[:4]] in ([1, 0, 1, 0], [0, 1, 0, 1])
     assert min(b - a for a, b in zip(explored, explored[1:])) >= planner.explore_every
     planner.forget("g")
     assert "g" not in planner.alpha and "g" not in planner.undrafted
@@ -304,3 +304,11 @@ def test_lookup_drafts_while_the_planner_keeps_the_model_off():
     assert [o.tokens for o in outs] == [o.tokens for o in ref]
     assert not asked and sum(planner.cal_copied.tried) > 0 and sum(planner.cal.tried) == 0
     assert any(v > 1 for info in gen.steps for v in info.verify_len)     # copied drafts were verified
+
+
+def test_batch_classes():
+    """Measured rates are kept per class of batch size: 1, 2, 3-4, 5-8, 9-16, ... (8 concurrent requests, whose
+    batch moves between 5 and 8, stay in one class)."""
+    classes = [CostPlanner.batch_class(B) for B in range(1, 18)]
+    assert classes == [1, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6]
+    assert CostPlanner.batch_class(0) == 1 and CostPlanner.batch_class(32) == 6 and CostPlanner.batch_class(33) == 7
