@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from specdec.draft import make_drafter
 from specdec.draft.model import ModelDrafter
+from specdec.engine import hugepages
 from specdec.engine import quant as Q
 from specdec.engine.engine import Engine
 from specdec.engine.prepack import dense
@@ -274,6 +275,29 @@ def test_cache_round_trip(tmp_path, mode):
     p = random_prompt(m.cfg.vocab_size, 12, seed=3)
     assert torch.equal(Engine(m).score(p), Engine(m2).score(p))
     assert isinstance(m2.lm_head, Q.QLinear) and isinstance(m2.layers[1].mlp.w_down, Q.QLinear)
+    if hugepages.available():       # loaded into memory advised for huge pages (hugepages.py)
+        assert all(hugepages.advised(t) for t in m2.state_dict().values() if t.numel())
+
+
+def test_copy_to_huge_pages():
+    """The copies are the same bits, dtypes and shapes, each on a 64-byte boundary, in a mapping advised for huge
+    pages (Linux); the mapping outlives the dict it came in; a plain allocation is not advised."""
+    import gc
+    g = torch.Generator().manual_seed(3)
+    src = {"a": torch.randint(0, 256, (3, 70), dtype=torch.uint8, generator=g),
+           "b": torch.randn(5, 7, generator=g).to(torch.bfloat16), "c": torch.randn(33, generator=g).double(),
+           "empty": torch.empty(0, 4), "t": torch.randn(4, 6, generator=g).t()}
+    out = hugepages.copy_to_huge_pages(src)
+    kept = out["b"]
+    for k, v in src.items():
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape and torch.equal(out[k], v), k
+        assert out[k].data_ptr() % 64 == 0 or not v.numel(), k
+    if not hugepages.available():
+        pytest.skip("no madvise(MADV_HUGEPAGE) here: plain clones (checked above)")
+    assert all(hugepages.advised(out[k]) for k in "abct") and not hugepages.advised(torch.randn(4096))
+    del out
+    gc.collect()
+    assert torch.equal(kept, src["b"]) and hugepages.advised(kept)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])

@@ -498,6 +498,7 @@ def save_quantized(model, path: str | os.PathLike) -> Path:
 def load_quantized(path: str | os.PathLike):
     from safetensors.torch import load_file
 
+    from .hugepages import copy_to_huge_pages
     from .model import ModelConfig, Transformer, rope_tables
     path = Path(path)
     meta = json.loads((path / "quant.json").read_text())
@@ -515,9 +516,10 @@ def load_quantized(path: str | os.PathLike):
         model.embed = QEmbedding(GGUFRows(**meta["embed"]["gguf"], dtype=dtype))
     else:
         model.embed = QEmbedding(QLinear.empty("int8", cfg.vocab_size, cfg.dim, False, dtype), owned=True)
-    # clone(): safetensors hands out tensors at whatever offset they sit in the file; the packed kernels' vector
-    # loads crashed (SIGSEGV) on such views of a cached lm_head, a fresh allocation is aligned.
-    state = {k: v.clone() for k, v in load_file(str(path / "model.safetensors")).items()}
+    # copied: safetensors hands out tensors at whatever offset they sit in the file; the packed kernels' vector
+    # loads crashed (SIGSEGV) on such views of a cached lm_head. The copies are aligned, and in huge pages, which a
+    # decode step's stream through every weight reads with fewer page walks (hugepages.py).
+    state = copy_to_huge_pages(load_file(str(path / "model.safetensors")))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if [m for m in missing if "rope" not in m] or unexpected:
         raise ModelError(f"{path}: cached weights do not fit: missing {missing}, unexpected {unexpected}")
