@@ -218,6 +218,26 @@ def test_qdot_tile_schemes_give_the_same_bits(kind):
         kernels.qdot_tiles(kept)
 
 
+def test_qdot_tile_scheme_from_the_environment():
+    """SPECDEC_QDOT_TILES=wide|narrow fixes the scheme a process uses (auto, the default, times both at first use);
+    an AVX2 build has only wide; another value is refused, naming the variable and its values. Each in a child
+    process, since the choice is made once per process."""
+    import subprocess
+    import sys
+    from specdec.engine import kernels
+    kept = kernels.qdot_tiles()
+    avx2_only = kernels.qdot_tiles("narrow") != "narrow"
+    kernels.qdot_tiles(kept)
+    child = "from specdec.engine import kernels; print(kernels.qdot_tiles())"
+    for scheme in ("wide", "narrow"):
+        out = subprocess.run([sys.executable, "-c", child], env={**os.environ, "SPECDEC_QDOT_TILES": scheme},
+                             capture_output=True, text=True, check=True, timeout=300).stdout.split()
+        assert out[-1] == ("wide" if avx2_only else scheme)
+    bad = subprocess.run([sys.executable, "-c", child], env={**os.environ, "SPECDEC_QDOT_TILES": "fast"},
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "SPECDEC_QDOT_TILES" in bad.stderr and "wide or narrow" in bad.stderr
+
+
 @pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
 def test_qdot_amx_tiles_give_the_vector_paths_bits(kind):
     """On a CPU with AMX (Sapphire Rapids and later) qdot runs whole tiles of 16 rows of a call of 16 rows or more on

@@ -31,7 +31,10 @@ def copy_to_huge_pages(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     sizes = {k: -(-v.numel() * v.element_size() // ALIGN) * ALIGN for k, v in tensors.items()}
     # private and anonymous: a shared one would be shmem, whose huge pages follow another setting
     buf = mmap.mmap(-1, sum(sizes.values()) + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:                                        # a kernel built without THP: 4 KB pages, same bits
+        pass
     arena = torch.frombuffer(buf, dtype=torch.uint8)       # the tensor keeps the mapping alive
     off = -arena.data_ptr() % HUGE                         # start on a huge page
     out = {}

@@ -249,8 +249,8 @@ class CostPlanner:
         # (a served Propose of 8 requests: 9-26 ms against a 48 ms step, measured), and staggered, nearly every step
         # would. While drafting does not pay for the batch, 4x less often and one request a step, in turn: the
         # calibration and the batch's measured rates are shared, and every explorer adds its features to the Propose
-        # and a row to the verify (served chat at 8 requests: 14-20 ms of drafting for all of them against 5.6 ms
-        # for one, and an exploration step every 32 took 3-4% of the run).
+        # and a row to the verify (served chat at 8 requests: 14-22 ms of drafting a step for all of them, 6-16 ms
+        # for one; steps drafting for the whole batch cost ~3% of the run).
         pays = self.draft_pays >= 1
         period = self.explore_every * (1 if pays else 4)
         if self.undrafted[r.rid] < self.explore_every or self.steps % period:

@@ -187,10 +187,13 @@ def qdot_tiles(scheme: str | None = None) -> str:
 
 def _pick_tiles() -> None:
     """Choose the tile scheme once per process: SPECDEC_QDOT_TILES=wide|narrow, else (auto) time both at 8 rows of a
-    Qwen-1.5B-sized weight (2048 x 1536, 4-bit; ~20 ms in all) and keep wide unless narrow takes under 0.95 of its
-    time. Measured: narrow 0.86x wide's time at 8-16 rows on a Zen 4 EPYC, wide 0.63x narrow's at 8 rows on a
-    Sapphire Rapids Xeon."""
+    Qwen-1.5B-sized weight (2048 x 1536, 4-bit; ~11 ms in all) and keep wide unless narrow takes under 0.95 of its
+    time. Measured: narrow 0.82-0.87x wide's time at 8-16 rows on a Zen 4 EPYC; on a Sapphire Rapids Xeon quad-wide
+    tiles took 0.63x the time of 8-row one-block tiles at 8 rows."""
     choice = os.environ.get("SPECDEC_QDOT_TILES", "auto")
+    if choice not in ("auto", *TILE_SCHEMES):
+        raise ModelError(f"SPECDEC_QDOT_TILES={choice!r} is not a tile scheme", field="SPECDEC_QDOT_TILES",
+                         remedy="set it to auto (the default), wide or narrow, or unset it")
     if choice in TILE_SCHEMES:
         torch.ops.specdec.qdot_tiles(TILE_SCHEMES.index(choice))
         return
