@@ -250,7 +250,7 @@ class CostPlanner:
         # would. While drafting does not pay for the batch, 4x less often and one request a step, in turn: the
         # calibration and the batch's measured rates are shared, and every explorer adds its features to the Propose
         # and a row to the verify (served chat at 8 requests: 14-22 ms of drafting a step for all of them, 6-16 ms
-        # for one; steps drafting for the whole batch cost ~3% of the run).
+        # for one; model-drafting steps cost ~3% of the run in a trace).
         pays = self.draft_pays >= 1
         period = self.explore_every * (1 if pays else 4)
         if self.undrafted[r.rid] < self.explore_every or self.steps % period:
