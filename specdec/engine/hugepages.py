@@ -5,7 +5,8 @@ more than the TLB holds, so the stream pays a page walk every 4 KB; in 2 MB page
 mode on these machines is `madvise`: anonymous memory gets huge pages only where asked, and PyTorch's allocator asks
 only with THP_MEM_ALLOC_ENABLE=1 set before torch is imported (and then aligns every allocation to a page).
 Measured on a 2-core Zen 4 EPYC, Qwen 1.5B w4a8 on a 128-token prefix, one process swapping the weights between a 4 KB
-and a 2 MB copy call by call: 1-row decode 0.89-0.95x the time, 2 rows 0.93-0.98x (/tmp scripts, noisy VM).
+and a 2 MB copy call by call: 1-row decode 0.89-0.98x the time in 5 of 6 measurements, 2 rows 0.93-0.98x (/tmp
+scripts, noisy VM).
 """
 from __future__ import annotations
 

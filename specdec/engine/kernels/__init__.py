@@ -80,13 +80,13 @@ def _load() -> None:
     except Exception as e:   # no compiler / ninja: say so rather than fail deep inside a forward
         raise ModelError(f"could not build the int8-activation kernels: {e}", field="quant",
                          remedy="install a C++ compiler (g++) and ninja, or use --quant int4 / int8") from None
-    _pick_tiles()
 
 
 def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """y [M, n] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g], in qdot.cpp's packed
     layout (quant.QLinear.q packs it); x's dtype in and out, float32 inside."""
     _load()
+    _pick_tiles()           # at the first qdot, not at every kernel's first use: a bf16 model never calls it
     return torch.ops.specdec.qdot(x, packed, bits, n)
 
 
@@ -182,14 +182,16 @@ def qdot_tiles(scheme: str | None = None) -> str:
     rows) or "narrow" (quad-wide tiles of up to 4 rows below 8, 8-row one-block tiles from 8); `scheme` switches it for
     this process. The bits are the same either way; which is faster depends on the CPU. The AVX2 build has one."""
     _load()
+    _pick_tiles()
     return TILE_SCHEMES[torch.ops.specdec.qdot_tiles(-1 if scheme is None else TILE_SCHEMES.index(scheme))]
 
 
+@functools.cache
 def _pick_tiles() -> None:
-    """Choose the tile scheme once per process: SPECDEC_QDOT_TILES=wide|narrow, else (auto) time both at 8 rows of a
-    Qwen-1.5B-sized weight (2048 x 1536, 4-bit; ~11 ms in all) and keep wide unless narrow takes under 0.95 of its
-    time. Measured: narrow 0.82-0.87x wide's time at 8-16 rows on a Zen 4 EPYC; on a Sapphire Rapids Xeon quad-wide
-    tiles took 0.63x the time of 8-row one-block tiles at 8 rows."""
+    """Choose the tile scheme once per process, at its first qdot: SPECDEC_QDOT_TILES=wide|narrow, else (auto) time
+    both at 8 rows of a Qwen-1.5B-sized weight (2048 x 1536, 4-bit; ~11 ms in all) and keep wide unless narrow takes
+    under 0.95 of its time. Measured: narrow 0.82-0.87x wide's time at 8-16 rows on a Zen 4 EPYC; on a Sapphire
+    Rapids Xeon quad-wide tiles took 0.63x the time of 8-row one-block tiles at 8 rows."""
     choice = os.environ.get("SPECDEC_QDOT_TILES", "auto")
     if choice not in ("auto", *TILE_SCHEMES):
         raise ModelError(f"SPECDEC_QDOT_TILES={choice!r} is not a tile scheme", field="SPECDEC_QDOT_TILES",
