@@ -239,6 +239,46 @@ def test_qdot_tile_scheme_from_the_environment():
 
 
 @pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
+def test_qdot_prefetch_distance_changes_no_bit(kind):
+    """qdot prefetches the weights it streams some bytes ahead (kernels.qdot_prefetch; 0 off): a hint to the cache,
+    which must not change an output, at any row count or distance, nor at the matrix's end (prefetches past the
+    weights' last byte)."""
+    from specdec.engine import kernels
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(200, 352, generator=g) * 0.02
+    lin = _qlinear(kind, w, torch.bfloat16)
+    x = torch.randn(9, 352, generator=g).bfloat16()
+    kept = kernels.qdot_prefetch()
+    try:
+        kernels.qdot_prefetch(0)
+        assert kernels.qdot_prefetch() == 0
+        ref = {n: lin.mm(x[:n]) for n in (1, 2, 5, 9)}
+        for nbytes in (64, 1024, 4096, 1 << 20):
+            assert kernels.qdot_prefetch(nbytes) == nbytes
+            for n, y in ref.items():
+                assert torch.equal(lin.mm(x[:n]), y), (nbytes, n)
+    finally:
+        kernels.qdot_prefetch(kept)
+
+
+def test_qdot_prefetch_from_the_environment():
+    """SPECDEC_QDOT_PREFETCH=bytes sets the distance for the process (1024 unless set); anything but a number of bytes
+    up to 1 MiB is refused, naming the variable and the remedy. In child processes: it is read once."""
+    import subprocess
+    import sys
+    child = "from specdec.engine import kernels; print(kernels.qdot_prefetch())"
+    run = lambda v: subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300,
+                                   env={**{k: e for k, e in os.environ.items() if k != "SPECDEC_QDOT_PREFETCH"},
+                                        **({} if v is None else {"SPECDEC_QDOT_PREFETCH": v})})
+    assert run(None).stdout.split()[-1] == "1024"
+    assert run("0").stdout.split()[-1] == "0"
+    assert run("2560").stdout.split()[-1] == "2560"
+    for bad in ("-5", "far", str(1 << 21)):
+        out = run(bad)
+        assert out.returncode != 0 and "SPECDEC_QDOT_PREFETCH" in out.stderr and "number of bytes" in out.stderr, bad
+
+
+@pytest.mark.parametrize("kind", ["q4", "q6", "q8"])
 def test_qdot_amx_tiles_give_the_vector_paths_bits(kind):
     """On a CPU with AMX (Sapphire Rapids and later) qdot runs whole tiles of 16 rows of a call of 16 rows or more on
     the tile unit: the same exact int32 dots, the same float chain per output, so the same bits as the vector path
