@@ -516,6 +516,39 @@ def test_quantized_speculative_equals_target_only(qmodels, pair, mode):
     assert _speculative(target, drafters["model"], prompts, sp, 12, gamma=4, mode="coupled") == seeded
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_fused_blocks_give_the_eager_bits(monkeypatch, name):
+    """A model whose linears are all qdot's runs each block as one C++ call (kernels/layer_ops.cpp `block`, the Python
+    path's ops in its order): every row's logits are bitwise the eager path's, for prefills of two sequences, then a
+    decode row beside a 5-row verify (ragged), then rows after a rollback (reading the K/V the fused blocks wrote).
+    tiny-qwen2 adds the qkv bias and grouped heads."""
+    from specdec.engine import model as M
+    from specdec.engine.layout import SeqInput
+    model = Q.quantize_model(load(name, "bf16").model, "w4a8")
+    V = model.cfg.vocab_size
+    real = M.Transformer._fused_blocks
+    taken = []
+
+    def run(fused: bool):
+        monkeypatch.setattr(M.Transformer, "_fused_blocks", lambda self, *a: (
+            taken.append(r := real(self, *a)), r)[1] if fused else None)
+        e = Engine(model, kv_tokens=1024, page_size=8, prefix_cache=False)
+        a, b = e.new_sequence(), e.new_sequence()
+        out = [e.forward([SeqInput(a, random_prompt(V, 19, seed=1), logits="all"),
+                          SeqInput(b, random_prompt(V, 7, seed=2), logits="last")]).logits]
+        out.append(e.forward([SeqInput(a, [3], start=19, logits="last"),
+                              SeqInput(b, random_prompt(V, 5, seed=3), start=7, logits="all")]).logits)
+        e.truncate(b, 9)
+        out.append(e.forward([SeqInput(b, random_prompt(V, 3, seed=4), start=9, logits="all")]).logits)
+        return out
+
+    fused = run(True)
+    assert len(taken) == 3 and all(t is not None for t in taken)          # the fused path ran every forward
+    eager = run(False)
+    for x, y in zip(fused, eager):
+        assert torch.equal(x, y)
+
+
 # -- SmolLM2 int4 from its own GGUF blocks ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2_int4():

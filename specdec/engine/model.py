@@ -14,6 +14,7 @@ points are after `wo` and after `w_down`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,10 @@ from torch import nn
 
 from . import kernels
 from .attention import attend_fast, attend_invariant
+from .kernels import block as block_kernel      # Transformer.forward's `kernels` argument shadows the module
+from .quant import BITS, QLinear
 from .quant import linear as qlinear   # F.linear, or the packed kernel for a quantized weight (engine/quant.py)
+from .row_tiles import RowTiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,12 @@ def post_attention(x, attn, wo, norm_w, eps: float, w_gate_up, w_down, linear=ql
     x = x + reduce(linear(attn, wo))
     gate, up = linear(rms_norm(x, norm_w, eps), w_gate_up).chunk(2, dim=-1)
     return x + reduce(linear(F.silu(gate) * up, w_down))
+
+
+def _eager(f, base, linear) -> bool:
+    """Whether f is `base`, or `base` with `linear` bound and nothing else (the engine's row-tiled eager path)."""
+    return f is base or (isinstance(f, functools.partial) and f.func is base and not f.args
+                         and f.keywords == {"linear": linear})
 
 
 def rms_norm(x, w, eps: float):
@@ -143,6 +153,20 @@ class Block(nn.Module):
         o = a.attend(q, k, v, layout, k_cache, v_cache)
         return post(x, o, a.wo.weight, self.mlp_norm.weight, self.mlp_norm.eps, m.w_gate_up.weight, m.w_down.weight)
 
+    def qdot_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """kernels.block's weights and sizes for this block, or None unless all four linears are qdot's."""
+        a, m = self.attn, self.mlp
+        lins = (a.wqkv, a.wo, m.w_gate_up, m.w_down)
+        if not all(isinstance(w, QLinear) and w.kind in BITS for w in lins):
+            return None
+        bias = a.wqkv.bias if a.wqkv.bias is not None else a.wqkv.qweight.new_empty(0)
+        w = [self.attn_norm.weight, a.wqkv.qweight, bias, a.wo.qweight, self.mlp_norm.weight, m.w_gate_up.qweight,
+             m.w_down.qweight]
+        meta = [a.n_heads, a.n_kv_heads, a.hd]
+        for lin in lins:
+            meta += [BITS[lin.kind], lin.out_features]
+        return w, meta
+
 
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -175,8 +199,15 @@ class Transformer(nn.Module):
         sin = self.rope_sin[layout.positions].to(dtype)
         x = self.embed(tokens)
         hidden = {-1: x} if -1 in hidden_layers else {}
+        fused = self._fused_blocks(x, layout, kv, pre, post, linear)
+        if fused:
+            attn = [t for g in layout.attn_groups for t in (g.rows, g.slots, g.lens)]
+            eps, scale = self.cfg.norm_eps, self.cfg.hd ** -0.5
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, layout, kv.k[i], kv.v[i], (pre, post))
+            if fused:        # the same ops as block(...), in one C++ call (kernels/layer_ops.cpp `block`)
+                x = block_kernel(x, *fused[i], eps, cos, sin, kv.k[i], kv.v[i], layout.write_slots, attn, scale)
+            else:
+                x = block(x, cos, sin, layout, kv.k[i], kv.v[i], (pre, post))
             if i in hidden_layers:
                 hidden[i] = x
         if logit_rows is not None:
@@ -184,3 +215,23 @@ class Transformer(nn.Module):
         x = self.norm(x)
         logits = linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
         return logits, hidden
+
+    def _fused_blocks(self, x, layout, kv, pre, post, linear) -> list | None:
+        """Each block's kernels.block arguments where one C++ call per block gives the eager path's bits: every
+        linear qdot's (never split into row tiles), the batch-invariant kernel attention (attention.attend_kernel),
+        the layer kernels usable; else None."""
+        if not (_eager(pre, pre_attention, linear) and _eager(post, post_attention, linear)) \
+                or layout.attn_groups is None:
+            return None
+        if linear is not qlinear and not (isinstance(linear, RowTiles) and linear.lo <= x.shape[0] <= linear.hi):
+            return None
+        if x.dtype not in (torch.bfloat16, torch.float16) or kv.k[0].dtype != torch.float32 or not kernels.usable(x):
+            return None
+        first = self.layers[0].attn.wqkv
+        key = first.qweight if isinstance(first, QLinear) else None
+        if key is None:
+            return None
+        if getattr(self, "_qdot_key", None) is not key:   # built once, again if the weights were replaced (.to())
+            args = [b.qdot_args() for b in self.layers]
+            self._qdot_blocks, self._qdot_key = (args if all(a is not None for a in args) else None), key
+        return self._qdot_blocks
