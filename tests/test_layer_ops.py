@@ -102,19 +102,29 @@ def test_write_kv_kernel_is_index_copy(cache_dtype, dtype):
 
 def test_a_bf16_forward_runs_every_layer_kernel(monkeypatch):
     """The engine's bf16 forward (inference mode, nn.Parameter weights that still require grad) takes the kernels in
-    every layer, and a forward under autograd (the drafter's training) takes the tensor ops."""
+    every layer: through the Python blocks, or, where the weights are prepacked for oneDNN, one `block` call a layer
+    (which runs the same kernels from C++); and a forward under autograd (the drafter's training) takes the tensor
+    ops."""
     from specdec.engine.engine import Engine
     from specdec.engine.layout import SeqInput
+    from specdec.engine.prepack import is_prepacked
     from specdec.engine.registry import load
     calls = {}
+    count = lambda f, n: lambda *a: calls.__setitem__(n, calls.get(n, 0) + 1) or f(*a)
     for name in ("rms_norm", "attend", "rope", "write_kv"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=real, _n=name: calls.__setitem__(_n, calls.get(_n, 0) + 1)
-                            or _f(*a))
+        monkeypatch.setattr(kernels, name, count(getattr(kernels, name), name))
+    monkeypatch.setattr(model_mod, "block_kernel", count(model_mod.block_kernel, "block"))
     model = load("tiny-qwen2", "bf16").model
     e = Engine(model)
-    e.forward([SeqInput(e.new_sequence(), [1, 2, 3])])
     L = model.cfg.n_layers
+    e.forward([SeqInput(e.new_sequence(), [1, 2, 3])])
+    if is_prepacked(model.layers[0].attn.wqkv.weight):
+        assert calls == {"block": L, "rms_norm": 1}        # the final norm
+    else:
+        assert calls == {"rms_norm": 2 * L + 1, "attend": L, "rope": L, "write_kv": L}
+    calls.clear()
+    monkeypatch.setattr(model_mod.Transformer, "_fused_blocks", lambda *a: None)      # the Python blocks, anywhere
+    e.forward([SeqInput(e.new_sequence(), [1, 2, 3])])
     assert calls == {"rms_norm": 2 * L + 1, "attend": L, "rope": L, "write_kv": L}
     calls.clear()
     x = torch.randn(3, model.cfg.dim, dtype=torch.bfloat16, requires_grad=True)

@@ -516,15 +516,20 @@ def test_quantized_speculative_equals_target_only(qmodels, pair, mode):
     assert _speculative(target, drafters["model"], prompts, sp, 12, gamma=4, mode="coupled") == seeded
 
 
+@pytest.mark.parametrize("mode", ["w4a8", "none"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
-def test_fused_blocks_give_the_eager_bits(monkeypatch, name):
-    """A model whose linears are all qdot's runs each block as one C++ call (kernels/layer_ops.cpp `block`, the Python
-    path's ops in its order): every row's logits are bitwise the eager path's, for prefills of two sequences, then a
-    decode row beside a 5-row verify (ragged), then rows after a rollback (reading the K/V the fused blocks wrote).
-    tiny-qwen2 adds the qkv bias and grouped heads."""
+def test_fused_blocks_give_the_eager_bits(monkeypatch, name, mode):
+    """A model whose linears are all qdot's (w4a8) or prepacked for oneDNN (bf16, where this CPU's oneDNN agrees with
+    F.linear) runs each block as one C++ call (kernels/layer_ops.cpp `block`, the Python path's ops in its order):
+    every row's logits are bitwise the eager path's, for prefills of two sequences, then a decode row beside a 5-row
+    verify (ragged), then rows after a rollback (reading the K/V the fused blocks wrote). tiny-qwen2 adds the qkv
+    bias and grouped heads."""
     from specdec.engine import model as M
     from specdec.engine.layout import SeqInput
-    model = Q.quantize_model(load(name, "bf16").model, "w4a8")
+    from specdec.engine.prepack import is_prepacked
+    model = load(name, "bf16").model
+    if mode != "none":
+        model = Q.quantize_model(model, mode)
     V = model.cfg.vocab_size
     real = M.Transformer._fused_blocks
     taken = []
@@ -543,10 +548,39 @@ def test_fused_blocks_give_the_eager_bits(monkeypatch, name):
         return out
 
     fused = run(True)
-    assert len(taken) == 3 and all(t is not None for t in taken)          # the fused path ran every forward
+    packed = all(isinstance(lin, Q.QLinear) or is_prepacked(lin.weight)
+                 for name, lin in model.linears().items() if name.startswith("layers."))
+    assert len(taken) == 3 and all((t is not None) == packed for t in taken)   # where it may, the fused path ran
+    if mode == "w4a8":
+        assert packed            # qdot everywhere: always fused on a CPU with our kernels
     eager = run(False)
     for x, y in zip(fused, eager):
         assert torch.equal(x, y)
+
+
+def test_fused_blocks_of_a_layer_skip_view_are_its_own():
+    """A layer-skip drafter is a view of the target that copies its attributes: made after the target has run (its
+    blocks' kernel arguments built), the view must run its own layers, as the Python path does."""
+    from specdec.draft.model import layer_skip
+    from specdec.engine import model as M
+    from specdec.engine.layout import SeqInput
+    model = Q.quantize_model(load("tiny-qwen2", "bf16").model, "w4a8")      # 3 layers: the view keeps 0 and 2
+    prompt = random_prompt(model.cfg.vocab_size, 11, seed=5)
+
+    def logits(m):
+        e = Engine(m, kv_tokens=256, page_size=8, prefix_cache=False)
+        return e.forward([SeqInput(e.new_sequence(), prompt, logits="all")]).logits
+
+    logits(model)                                  # the target's block arguments now exist
+    view = layer_skip(model, "0,2")
+    fused = logits(view)
+    real = M.Transformer._fused_blocks
+    try:
+        M.Transformer._fused_blocks = lambda self, *a: None
+        assert torch.equal(fused, logits(view))
+        assert not torch.equal(fused, logits(model))
+    finally:
+        M.Transformer._fused_blocks = real
 
 
 # -- SmolLM2 int4 from its own GGUF blocks ----------------------------------------------------------------------------

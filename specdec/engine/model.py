@@ -23,6 +23,7 @@ from torch import nn
 from . import kernels
 from .attention import attend_fast, attend_invariant
 from .kernels import block as block_kernel      # Transformer.forward's `kernels` argument shadows the module
+from .prepack import is_prepacked
 from .quant import BITS, QLinear
 from .quant import linear as qlinear   # F.linear, or the packed kernel for a quantized weight (engine/quant.py)
 from .row_tiles import RowTiles
@@ -153,18 +154,23 @@ class Block(nn.Module):
         o = a.attend(q, k, v, layout, k_cache, v_cache)
         return post(x, o, a.wo.weight, self.mlp_norm.weight, self.mlp_norm.eps, m.w_gate_up.weight, m.w_down.weight)
 
-    def qdot_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """kernels.block's weights and sizes for this block, or None unless all four linears are qdot's."""
+    def block_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """kernels.block's weights and sizes for this block, or None unless each linear is qdot's or prepacked."""
         a, m = self.attn, self.mlp
-        lins = (a.wqkv, a.wo, m.w_gate_up, m.w_down)
-        if not all(isinstance(w, QLinear) and w.kind in BITS for w in lins):
-            return None
-        bias = a.wqkv.bias if a.wqkv.bias is not None else a.wqkv.qweight.new_empty(0)
-        w = [self.attn_norm.weight, a.wqkv.qweight, bias, a.wo.qweight, self.mlp_norm.weight, m.w_gate_up.qweight,
-             m.w_down.qweight]
-        meta = [a.n_heads, a.n_kv_heads, a.hd]
-        for lin in lins:
-            meta += [BITS[lin.kind], lin.out_features]
+        w, meta = [self.attn_norm.weight], [a.n_heads, a.n_kv_heads, a.hd]
+        for i, lin in enumerate((a.wqkv, a.wo, m.w_gate_up, m.w_down)):
+            if isinstance(lin, QLinear) and lin.kind in BITS:
+                weight, kind = lin.qweight, BITS[lin.kind]
+            elif is_prepacked(lin.weight):
+                weight, kind = lin.weight, 0
+            else:
+                return None
+            w.append(weight)
+            if i == 0:                  # the qkv bias (Qwen2), or none
+                w.append(lin.bias if lin.bias is not None else weight.new_empty(0, dtype=self.attn_norm.weight.dtype))
+            elif i == 1:
+                w.append(self.mlp_norm.weight)
+            meta += [kind, lin.out_features]
         return w, meta
 
 
@@ -218,8 +224,8 @@ class Transformer(nn.Module):
 
     def _fused_blocks(self, x, layout, kv, pre, post, linear) -> list | None:
         """Each block's kernels.block arguments where one C++ call per block gives the eager path's bits: every
-        linear qdot's (never split into row tiles), the batch-invariant kernel attention (attention.attend_kernel),
-        the layer kernels usable; else None."""
+        linear qdot's or prepacked for oneDNN, never split into row tiles; the batch-invariant kernel attention
+        (attention.attend_kernel); the layer kernels usable. Else None."""
         if not (_eager(pre, pre_attention, linear) and _eager(post, post_attention, linear)) \
                 or layout.attn_groups is None:
             return None
@@ -228,10 +234,10 @@ class Transformer(nn.Module):
         if x.dtype not in (torch.bfloat16, torch.float16) or kv.k[0].dtype != torch.float32 or not kernels.usable(x):
             return None
         first = self.layers[0].attn.wqkv
-        key = first.qweight if isinstance(first, QLinear) else None
-        if key is None:
-            return None
-        if getattr(self, "_qdot_key", None) is not key:   # built once, again if the weights were replaced (.to())
-            args = [b.qdot_args() for b in self.layers]
-            self._qdot_blocks, self._qdot_key = (args if all(a is not None for a in args) else None), key
-        return self._qdot_blocks
+        key = (self.layers, first.qweight if isinstance(first, QLinear) else first.weight)
+        # built once; again for another layer list (a layer-skip view copies this model's attributes, these
+        # included) or replaced weights (.to())
+        if any(a is not b for a, b in zip(getattr(self, "_block_key", (None, None)), key)):
+            args = [b.block_args() for b in self.layers]
+            self._block_args, self._block_key = (args if all(a is not None for a in args) else None), key
+        return self._block_args

@@ -5,7 +5,7 @@ system C++ compiler; -march=native, so the build is cached per CPU and source).
     y = kernels.qdot(x, packed, bits=4, n=N)                  # qdot.cpp: 4/6/8-bit weights x int8 activations
     y = kernels.rms_norm(x, w, eps)                          # layer_ops.cpp: a row's RMSNorm in one call, and
     kernels.attend(...), kernels.rope(...), kernels.write_kv(...)   # attention, rotary, KV writes (decode's small ops)
-    x = kernels.block(x, w, meta, ...)                       # layer_ops.cpp: a qdot model's whole block in one call
+    x = kernels.block(x, w, meta, ...)                       # layer_ops.cpp: a whole block in one call
     y = kernels.bf16_linear(x, w, b)                         # bf16_linear.cpp: dense bf16 where bf16 is emulated
 
 PyTorch has no CPU kernel that multiplies 4-bit weights by int8 activations: its `_weight_int4pack_mm_for_cpu`
@@ -93,8 +93,9 @@ def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tens
 
 
 def block(x, w, meta, eps: float, cos, sin, k_cache, v_cache, write_slots, attn, scale: float) -> torch.Tensor:
-    """One transformer block whose linears are qdot's, in one call: model.Block.forward's ops in its order (the
-    same bits); w, meta: model.Block.qdot_args(); attn: each attention group's rows, slots and lens."""
+    """One transformer block whose linears are qdot's or prepacked for oneDNN, in one call: model.Block.forward's
+    ops in its order (the same bits); w, meta: model.Block.block_args(); attn: each attention group's rows, slots
+    and lens."""
     _load()
     _pick_tiles()
     _set_prefetch()
