@@ -116,10 +116,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
+def kernel_attention(q, k_cache) -> bool:
+    """Whether attend_invariant runs attend_kernel for these: on a CPU with our kernels, a bf16 / fp16 model with its
+    float32 cache (model.Transformer's fused blocks run that kernel too, so they ask the same question)."""
+    return q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == torch.float32 and kernels.usable(q)
+
+
 def attend_invariant(q, k_cache, v_cache, groups: list[AttnGroup]):
     """q [T, H, hd] -> [T, H * hd]. k_cache/v_cache [slots, Hkv, hd] already hold this forward's keys/values.
     On a CPU with our kernels, bf16 / fp16 models (float32 cache) run attend_kernel; otherwise attend_gemm."""
-    if q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == torch.float32 and kernels.usable(q):
+    if kernel_attention(q, k_cache):
         return attend_kernel(q, k_cache, v_cache, groups)
     return attend_gemm(q, k_cache, v_cache, groups)
 

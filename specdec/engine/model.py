@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .attention import attend_fast, attend_invariant
+from .attention import attend_fast, attend_invariant, kernel_attention
 from .kernels import block as block_kernel      # Transformer.forward's `kernels` argument shadows the module
 from .prepack import is_prepacked
 from .quant import BITS, QLinear
@@ -208,7 +209,7 @@ class Transformer(nn.Module):
         fused = self._fused_blocks(x, layout, kv, pre, post, linear)
         if fused:
             attn = [t for g in layout.attn_groups for t in (g.rows, g.slots, g.lens)]
-            eps, scale = self.cfg.norm_eps, self.cfg.hd ** -0.5
+            eps, scale = self.cfg.norm_eps, 1.0 / math.sqrt(self.cfg.hd)     # attention.attend_kernel's scale
         for i, block in enumerate(self.layers):
             if fused:        # the same ops as block(...), in one C++ call (kernels/layer_ops.cpp `block`)
                 x = block_kernel(x, *fused[i], eps, cos, sin, kv.k[i], kv.v[i], layout.write_slots, attn, scale)
@@ -231,7 +232,7 @@ class Transformer(nn.Module):
             return None
         if linear is not qlinear and not (isinstance(linear, RowTiles) and linear.lo <= x.shape[0] <= linear.hi):
             return None
-        if x.dtype not in (torch.bfloat16, torch.float16) or kv.k[0].dtype != torch.float32 or not kernels.usable(x):
+        if not kernel_attention(x, kv.k[0]):     # bf16 / fp16, a float32 cache, the kernels usable
             return None
         first = self.layers[0].attn.wqkv
         key = (self.layers, first.qweight if isinstance(first, QLinear) else first.weight)

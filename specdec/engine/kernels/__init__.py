@@ -87,8 +87,7 @@ def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tens
     """y [M, n] = x [M, K] @ W^T with W[n, 32g:32g+32] = scale[n, g] * codes + offset[n, g], in qdot.cpp's packed
     layout (quant.QLinear.q packs it); x's dtype in and out, float32 inside."""
     _load()
-    _pick_tiles()           # at the first qdot, not at every kernel's first use: a bf16 model never calls it
-    _set_prefetch()
+    _qdot_choices()
     return torch.ops.specdec.qdot(x, packed, bits, n)
 
 
@@ -97,8 +96,7 @@ def block(x, w, meta, eps: float, cos, sin, k_cache, v_cache, write_slots, attn,
     ops in its order (the same bits); w, meta: model.Block.block_args(); attn: each attention group's rows, slots
     and lens."""
     _load()
-    _pick_tiles()
-    _set_prefetch()
+    _qdot_choices()
     return torch.ops.specdec.block(x, w, meta, eps, cos, sin, k_cache, v_cache, write_slots, attn, scale)
 
 
@@ -194,11 +192,18 @@ def qdot_tiles(scheme: str | None = None) -> str:
     rows) or "narrow" (quad-wide tiles of up to 4 rows below 8, 8-row one-block tiles from 8); `scheme` switches it for
     this process. The bits are the same either way; which is faster depends on the CPU. The AVX2 build has one."""
     _load()
-    _pick_tiles()
+    _qdot_choices()
     return TILE_SCHEMES[torch.ops.specdec.qdot_tiles(-1 if scheme is None else TILE_SCHEMES.index(scheme))]
 
 
 @functools.cache
+def _qdot_choices() -> None:
+    """qdot's per-process choices (tile scheme, prefetch distance), made once, at the first qdot or block call (after
+    _load): not at every kernel's first use, since a bf16 model that never calls qdot need not time tiles."""
+    _pick_tiles()
+    _set_prefetch()
+
+
 def _pick_tiles() -> None:
     """Choose the tile scheme once per process, at its first qdot: SPECDEC_QDOT_TILES=wide|narrow, else (auto) time
     both at 8 rows of a Qwen-1.5B-sized weight (2048 x 1536, 4-bit; ~11 ms in all) and keep wide unless narrow takes
@@ -239,11 +244,10 @@ def qdot_prefetch(nbytes: int | None = None) -> int:
     """How far ahead (bytes) qdot prefetches the weights it streams, 0 for not at all (qdot.cpp's prefetch_bytes);
     `nbytes` sets it for this process. The bits are the same either way."""
     _load()
-    _set_prefetch()
+    _qdot_choices()
     return torch.ops.specdec.qdot_prefetch(-1 if nbytes is None else nbytes)
 
 
-@functools.cache
 def _set_prefetch() -> None:
     """SPECDEC_QDOT_PREFETCH=bytes (0: off) overrides the built-in 1024, once per process at its first qdot. The
     distance was chosen on a Sapphire Rapids Xeon: a Qwen 1.5B decode step 0.87x the time with it, 0.83-0.86x at

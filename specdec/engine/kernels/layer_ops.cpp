@@ -345,18 +345,19 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, c
 }
 
 // A linear of kernels.block: kind > 0, qdot's codes of that many bits then the bias (quant.QLinear.mm); kind 0, a
-// weight prepacked for oneDNN with its bias (prepack.prepacked_linear). Both through the dispatcher, as from Python.
+// weight prepacked for oneDNN with its bias (prepack.prepacked_linear); b undefined or empty: none. Both through the
+// dispatcher, as from Python.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t kind, int64_t n) {
   static auto qdot = c10::Dispatcher::singleton().findSchemaOrThrow("specdec::qdot", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
   if (kind > 0) {
     at::Tensor y = qdot.call(x, w, kind, n);
-    return b.numel() ? y + b : y;
+    return b.defined() && b.numel() ? y + b : y;
   }
   static auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-  return packed.call(x.contiguous(), w, b.numel() ? std::optional<at::Tensor>(b) : std::nullopt, "none",
+  return packed.call(x.contiguous(), w, b.defined() && b.numel() ? std::optional<at::Tensor>(b) : std::nullopt, "none",
                      c10::List<std::optional<at::Scalar>>(), "");
 }
 
@@ -364,15 +365,14 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // in the same order as the Python path, called from here instead of through ~25 Python calls, so the same bits
 // (tests compare the two with torch.equal). Without qdot's time (a stand-in returning zeros) a Qwen 0.5B decode step
 // was 4.1 ms, ~100 us a layer of it Python; with this call a whole step took 0.80x the time at 1 row (1.5B: 0.87x,
-// SmolLM2 w4a8: 0.68x, SmolLM2 bf16 prepacked: 0.87x at 1-16 rows; a 2-core Sapphire Rapids). w: attn norm, qkv weight, qkv bias (empty: none), wo, mlp norm, gate-up,
-// down; meta: H, Hkv, hd, then kind (block_linear) and outputs of qkv, wo, gate-up and down; attn: each attention
-// group's rows, slots and lens.
+// SmolLM2 w4a8: 0.68x, SmolLM2 bf16 prepacked: 0.87x at 1-16 rows; a 2-core Sapphire Rapids). w: attn norm, qkv
+// weight, qkv bias (empty: none), wo, mlp norm, gate-up, down; meta: H, Hkv, hd, then kind (block_linear) and outputs
+// of qkv, wo, gate-up and down; attn: each attention group's rows, slots and lens.
 at::Tensor block(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, double eps, const at::Tensor& cos,
                  const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write_slots,
                  at::TensorList attn, double scale) {
   TORCH_CHECK(w.size() == 7 && meta.size() == 11 && attn.size() % 3 == 0, "block: 7 weights, 11 sizes, 3 per group");
   const int64_t H = meta[0], Hkv = meta[1], hd = meta[2], T = x.size(0);
-  const at::Tensor none = w[2].new_empty({0});
   at::Tensor qkv = block_linear(rms_norm(x, w[0], eps), w[1], w[2], meta[3], meta[4]);
   const auto parts = qkv.split_with_sizes({(H + Hkv) * hd, Hkv * hd}, -1);
   const at::Tensor qk = rope(parts[0].view({T, H + Hkv, hd}), cos, sin);
@@ -380,9 +380,9 @@ at::Tensor block(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, do
   write_kv(k_cache, v_cache, write_slots, k, v);
   at::Tensor o = at::empty({T, H * hd}, x.options());
   for (size_t g = 0; g < attn.size(); g += 3) attend(q, k_cache, v_cache, attn[g], attn[g + 1], attn[g + 2], scale, o);
-  const at::Tensor h = x + block_linear(o, w[3], none, meta[5], meta[6]);
-  const auto gu = block_linear(rms_norm(h, w[4], eps), w[5], none, meta[7], meta[8]).chunk(2, -1);
-  return h + block_linear(at::silu(gu[0]) * gu[1], w[6], none, meta[9], meta[10]);
+  const at::Tensor h = x + block_linear(o, w[3], at::Tensor(), meta[5], meta[6]);
+  const auto gu = block_linear(rms_norm(h, w[4], eps), w[5], at::Tensor(), meta[7], meta[8]).chunk(2, -1);
+  return h + block_linear(at::silu(gu[0]) * gu[1], w[6], at::Tensor(), meta[9], meta[10]);
 }
 
 }  // namespace
