@@ -341,6 +341,16 @@ def launch(tmp_path, *extra, timeout=180) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+def test_run_local_gives_a_light_drafter_one_thread():
+    """make run's draft server shares the target's CPU: a light drafter (block, n-gram) runs on one torch thread, a
+    draft model on torch's default; on a GPU nothing is set."""
+    rl = load_run_local()
+    assert rl.draft_threads("block", "cpu") == rl.draft_threads("ngram", "cpu") == ["--threads", "1"]
+    assert rl.draft_threads("tiny-llama-draft", "cpu") == rl.draft_threads("layer-skip", "cpu") == []
+    assert rl.draft_threads("block", "cuda") == []
+    assert draft_args(rl.draft_threads("block", "cpu"))["threads"] == 1
+
+
 def test_run_local_check_embedded_store(tmp_path):
     r = launch(tmp_path, "--check", "--no-redis", "--drafter", "tiny-llama-draft+ngram")   # lookup in the target
     assert r.returncode == 0, r.stdout + r.stderr

@@ -133,11 +133,14 @@ def test_service_planner_leaves_rejection_requests_full_blocks():
 
 def test_profile_rows_straddle_the_linear_tiles():
     """The cost table is measured on both sides of each tile edge: past one, a forward makes another call per linear
-    (the cliff the planner must see), which interpolating between powers of two hides."""
+    (the cliff the planner must see), which interpolating between powers of two hides; and of each 16-row GEMM block
+    (AMX: a 17th row computes a second block)."""
     from specdec.speculative.plan import profile_rows
-    assert profile_rows() == [1, 2, 4, 8, 16, 32, 64]
-    assert profile_rows(32) == [1, 2, 4, 8, 16, 32, 33, 64, 65]
-    assert {16, 17, 32, 33, 48, 49, 64, 65} <= set(profile_rows(16))
+    assert profile_rows(gemm_rows=0) == [1, 2, 4, 8, 16, 32, 64]
+    assert profile_rows(32, gemm_rows=0) == [1, 2, 4, 8, 16, 32, 33, 64, 65]
+    assert profile_rows() == [1, 2, 4, 8, 16, 17, 32, 33, 48, 49, 64, 65]
+    assert profile_rows(32) == profile_rows()
+    assert profile_rows(24) == [1, 2, 4, 8, 16, 17, 24, 25, 32, 33, 48, 49, 64, 65]
 
 
 def test_profile_cost_measures_the_engines_tile_edges():
@@ -304,6 +307,63 @@ def test_lookup_drafts_while_the_planner_keeps_the_model_off():
     assert [o.tokens for o in outs] == [o.tokens for o in ref]
     assert not asked and sum(planner.cal_copied.tried) > 0 and sum(planner.cal.tried) == 0
     assert any(v > 1 for info in gen.steps for v in info.verify_len)     # copied drafts were verified
+
+
+def test_copies_that_do_not_pay_at_a_batch_size_are_not_verified_there():
+    """Steps that verified copied blocks are measured apart from plain steps, per batch size class: where they emitted
+    fewer tokens/ms (served chat at 16 requests: a 17th row starts another 16-row AMX block), copies are left
+    unverified but on every 4th exploration step, which keeps measuring them; at batch 1, where they pay, and at a
+    batch size not measured yet, the calibration alone decides as before."""
+    from specdec.speculative.propose import Proposal
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    from specdec.speculative.accept import Mode
+    planner = CostPlanner(CostTable([1, 16, 17, 32], [20.0, 30.0, 34.0, 38.0]), learn_costs=False)
+    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 50, Mode.GREEDY, 4) for i in range(16)]
+    copy, none = Proposal(1, [2] * 4, [0.9] * 4, copied=True), Proposal(1, [], [])
+    planner.cal_copied.prob = lambda c: 0.95
+    assert planner.copies_pay == 1.0 and sum(planner(reqs, [copy] * 16)) > 16        # not measured: verified
+    for _ in range(5):
+        planner.observe(reqs, [none] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=30.0)     # 16 / 30 ms
+        planner.observe(reqs, [copy] * 16, [2] * 16, [0] * 16, draft_ms=0.0, verify_ms=38.0)     # 16 / 38 ms
+    assert planner.copies_pay == pytest.approx(30 / 38, abs=0.01)
+    planner.cal_copied.prob = lambda c: 0.95    # however confident the copies (the realised rate is what counts)
+    verified, wanted = [], []
+    for _ in range(4 * planner.explore_every):
+        if planner.copies_wanted():         # speculative_step asks a looking-up drafter only then
+            wanted.append(planner.steps + 1)
+        if sum(planner(reqs, [copy] * 16)) > 16:
+            verified.append(planner.steps)
+    assert len(verified) == 1 and verified[0] % (4 * planner.explore_every) == 0 and wanted == verified
+    one = reqs[:1]                # batch 1: copies measured to pay there
+    planner.observe(one, [none], [1], [0], draft_ms=0.0, verify_ms=20.0)
+    planner.observe(one, [copy], [3], [2], draft_ms=0.0, verify_ms=21.0)
+    assert planner.copies_pay > 2 and planner(one, [copy]) != [1]
+    planner.batch = 8             # 5-8: nothing measured
+    assert planner.copies_pay == 1.0
+
+
+def test_a_looking_up_drafter_is_not_asked_when_no_copy_is_planned():
+    """With copies measured not to pay and the model's blocks at 0, a step asks the drafter nothing (plain decoding's
+    forward, no lookup); on the exploration step that plans copies it is asked again, and output is unchanged."""
+    from specdec.draft.ngram import NgramDrafter
+    target = load("tiny-llama").model
+    prompts = [[1 + (i * 7 + k) % 9 for k in range(12)] for i in range(2)]      # repeats: lookup finds matches
+    ref = SpeculativeGenerator(Engine(target), None).generate([GenRequest(p, max_tokens=40) for p in prompts])
+
+    class CopiesLose(CostPlanner):
+        copies_pay = 0.5
+
+        def gamma(self, r):
+            return 0
+    drafter, asked = NgramDrafter(), []
+    ask = drafter.propose
+    drafter.propose = lambda items: asked.append(len(items)) or ask(items)
+    planner = CopiesLose(CostTable.linear(1.0, 0.01))
+    gen = SpeculativeGenerator(Engine(target), drafter, gamma=4, plan=planner)
+    outs = gen.generate([GenRequest(p, max_tokens=40) for p in prompts])
+    assert [o.tokens for o in outs] == [o.tokens for o in ref]
+    assert 1 <= len(asked) <= planner.steps // (4 * planner.explore_every) + 1 < len(gen.steps)
 
 
 def test_batch_classes():

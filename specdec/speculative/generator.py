@@ -60,7 +60,7 @@ class TraceWriter:
         t = time.time()
         for i, r in enumerate(reqs):
             self.f.write(json.dumps({
-                "step": self.step, "t": round(t, 4), "request": r.rid, "batch": len(reqs),
+                "step": self.step, "t": round(t, 4), "request": r.rid, "batch": len(reqs), "gamma": r.gamma,
                 "verify_len": info.verify_len[i], "layout_rows": info.rows, "accepted": info.accepted[i],
                 "emitted": len(info.emitted[i]),
                 "mode": r.mode.value, "seeded": r.params.seed is not None, "draft_ok": info.draft_ok,

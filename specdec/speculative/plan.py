@@ -63,14 +63,17 @@ class CostTable:
         return cls([1, max_rows], [base_ms + per_row_ms, base_ms + per_row_ms * max_rows])
 
 
-def profile_rows(tile_rows: int | None = None, most: int = 64) -> list[int]:
+def profile_rows(tile_rows: int | None = None, most: int = 64, gemm_rows: int = 16) -> list[int]:
     """Row counts to profile: powers of two up to `most`, and both sides of every multiple of the engine's linear
-    tile (`RowTiles.hi`, engine/row_tiles.py). Past a multiple the forward makes one more call per linear, streaming
-    every weight once more: on a Sapphire Rapids Xeon with 32-row tiles a SmolLM2 verify took 49 ms at 32 rows and 71
-    at 40, where interpolating 32 and 64 rows said 60, and the planner thought a 33rd row nearly free."""
+    tile (`RowTiles.hi`, engine/row_tiles.py) and of `gemm_rows`. Past a tile multiple the forward makes one more call
+    per linear, streaming every weight once more: on a Sapphire Rapids Xeon with 32-row tiles a SmolLM2 verify took
+    49 ms at 32 rows and 71 at 40, where interpolating 32 and 64 rows said 60, and the planner thought a 33rd row
+    nearly free. Past a multiple of 16 an AMX GEMM computes another 16-row block: the same Xeon, SmolLM2 bf16, 30.0
+    ms at 16 rows, 34.2 at 17, 38.1 at 32 (however the rows are spread over sequences), where 16 and 32 alone said
+    30.5 at 17; served at 16 concurrent requests, the planner verified copied blocks at 17-20 rows that did not pay."""
     rows = {1 << k for k in range(most.bit_length()) if 1 << k <= most}
-    if tile_rows:
-        rows |= {n + d for n in range(tile_rows, most + 1, tile_rows) for d in (0, 1)}
+    for edge in {tile_rows, gemm_rows} - {None, 0}:
+        rows |= {n + d for n in range(edge, most + 1, edge) for d in (0, 1)}
     return sorted(rows)
 
 
@@ -207,8 +210,9 @@ class CostPlanner:
         self.steps = 0                        # steps planned so far (the exploration clock)
         # Does drafting pay for the batch as a whole (at large batches verify rows stop being nearly free)? Predicted:
         # the plans' expected tokens/ms (drafting included) over plain decoding's by the cost table. Realised: each
-        # step's tokens/ms over the table's plain rate, for steps that drafted and steps that did not (smoothed), per
-        # batch size class (what pays at batch 1 says nothing about batch 16).
+        # step's tokens/ms over the table's plain rate, for steps the model drafted ("draft"), steps that verified
+        # copied blocks only ("copy") and steps that verified nothing ("plain"), smoothed, per batch size class (what
+        # pays at batch 1 says nothing about batch 16).
         self.predicted_pays = 1.0
         self.realized: dict[tuple[int, str], float] = {}
         self.realized_n: dict[tuple[int, str], int] = {}
@@ -221,14 +225,29 @@ class CostPlanner:
         classes, each learning on its own.)"""
         return (max(1, B) - 1).bit_length() + 1
 
+    def _measured(self, kind: str) -> float | None:
+        """Tokens/ms of `kind` steps over plain steps at the current batch size class, once both have run there."""
+        k = self.batch_class(self.batch)
+        if (k, kind) in self.realized and (k, "plain") in self.realized:
+            return self.realized[k, kind] / max(1e-9, self.realized[k, "plain"])
+        return None
+
     @property
     def draft_pays(self) -> float:
-        """Tokens/ms with drafting over without at the current batch size: measured once both kinds of step have run
-        at its class, else predicted."""
-        k = self.batch_class(self.batch)
-        if (k, "draft") in self.realized and (k, "plain") in self.realized:
-            return self.realized[k, "draft"] / max(1e-9, self.realized[k, "plain"])
-        return self.predicted_pays
+        """Tokens/ms with the model drafting over without at the current batch size: measured once both kinds of step
+        have run at its class, else predicted."""
+        measured = self._measured("draft")
+        return self.predicted_pays if measured is None else measured
+
+    @property
+    def copies_pay(self) -> float:
+        """Tokens/ms of steps that verified copied blocks (and drafted nothing) over plain steps at the current batch
+        size, once measured (1 before). Served chat at 16 concurrent requests: every step that verified copies
+        emitted 0.45-0.54 tokens/ms against plain steps' 0.54; and their extra tokens made requests finish at
+        different steps, so new ones were admitted one at a time, each prefilled inside a step at a higher cost per row
+        than a group (a 50-token prompt: 35 ms alone, 25 ms each in a group of 2-16)."""
+        measured = self._measured("copy")
+        return 1.0 if measured is None else measured
 
     def gamma(self, r) -> int:
         """Block length to ask the drafter for: adaptive to the request's acceptance history, 0 (no draft) when
@@ -262,6 +281,16 @@ class CostPlanner:
         # explore at the block length drafting would use, so the measured drafting steps are representative
         return min(r.gamma, best_gamma(alpha, c, r.gamma))
 
+    def _copies_on(self, step: int) -> bool:
+        """Does step `step` plan copied blocks? Not where verifying them was measured not to pay at this batch size
+        (they are worth nothing to its plan), except on every 4th exploration step, which keeps measuring them."""
+        return self.copies_pay >= 1 or step % (4 * self.explore_every) == 0
+
+    def copies_wanted(self) -> bool:
+        """Whether the coming step plans copied blocks: speculative_step asks a drafter that looks up only then for
+        requests whose model block is 0 (served chat at 16 requests, looking up cost 0.35 ms a step, ~1%)."""
+        return self._copies_on(self.steps + 1)
+
     def floors(self, reqs, caps: list[int]) -> list[int]:
         """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
         return [1] * len(reqs)
@@ -270,7 +299,9 @@ class CostPlanner:
         self.steps += 1
         self.batch = len(reqs)
         caps = plan_full(reqs, props)                  # verifying everything is the most a request may verify
-        probs = [[(self.cal_copied if p.copied else self.cal).prob(c) for c in p.confidence] for p in props]
+        copies = self._copies_on(self.steps)
+        probs = [[(self.cal_copied.prob(c) if copies else 0.0) if p.copied else self.cal.prob(c)
+                  for c in p.confidence] for p in props]
         modelled = any(p.tokens and not p.copied for p in props)
         # the drafting this step paid (the plan's fixed cost): none when every block was copied
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms if modelled else 0.0, self.floors(reqs, caps))
@@ -323,7 +354,8 @@ class CostPlanner:
         if draft_ms is not None and verify_ms is not None and reqs:
             B = self.batch = len(reqs)
             rate = (B + sum(accepted)) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
-            key = (self.batch_class(B), "draft" if drafted else "plain")
+            copied = any(p.copied and v > 1 for p, v in zip(props, vlen))
+            key = (self.batch_class(B), "draft" if drafted else "copy" if copied else "plain")
             # slower smoothing (one step's tokens vary from 1 to gamma + 1), but a plain mean over the first steps: an
             # EMA from the first step kept that step's rate for ~20 steps (served chat at 32 concurrent requests: the
             # first drafting step, at batch 1, paid; every request then drafted at batch 16 for 7 losing steps)

@@ -120,10 +120,11 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     # 1. propose: one batched call; each request sends what was committed since its last call
     block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma), or skip them
     blocks = {r.rid: block(r) for r in reqs if r.gamma > 0}       # gamma 0: speculation off for this request
-    # a drafter that copies from the context first is always asked (a copy costs nothing) at the full block length;
-    # the planner's length bounds its model's blocks
+    # a drafter that copies from the context first is asked at the full block length (a copy costs nothing), unless
+    # the planner plans no copies this step; the planner's length bounds its model's blocks
     looks_up = getattr(drafter, "looks_up", False)
-    spec = [r for r in reqs if r.rid in blocks and (looks_up or blocks[r.rid] > 0)]
+    copies = looks_up and getattr(plan, "copies_wanted", lambda: True)()
+    spec = [r for r in reqs if r.rid in blocks and (copies or blocks[r.rid] > 0)]
     items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, r.gamma if looks_up else blocks[r.rid],
                        r.params, r.mode, context=r.committed, model_gamma=blocks[r.rid] if looks_up else None)
              for r in spec]
