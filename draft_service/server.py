@@ -332,6 +332,7 @@ async def serve(args: argparse.Namespace) -> None:
     except RuntimeError as e:             # grpc's "failed to bind"
         raise SpecdecError(f"cannot listen on {args.host}:{args.port} ({e})", field="port",
                            remedy="pick a free port or another --host") from None
+    log.info("start-up objects frozen: %d", compute.settle_heap())
     await server.start()
     security = ", ".join(x for x in ("TLS" if args.tls_cert else "", "token auth" if args.auth_token else "") if x)
     print(f"draft server: drafter {drafter.name} on {args.host}:{port} ({security or 'plain text, no auth'})",

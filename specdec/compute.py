@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import ctypes
 import functools
+import gc
 import threading
 
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch")
@@ -35,6 +36,16 @@ def call(fn, *args, **kwargs):
     if on_compute_thread():
         return fn(*args, **kwargs)
     return _pool.submit(fn, *args, **kwargs).result()
+
+
+def settle_heap() -> int:
+    """Once a server has loaded and warmed up: collect, then move every object start-up made into the permanent
+    generation (gc.freeze), so the collector's full passes no longer walk them. The target holds ~330k tracked objects
+    after loading SmolLM2 (tokenizer, modules, registries); a full collection of them took 98 ms, holding the GIL,
+    so a step in flight stalled whenever one came. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def keep_freed_memory(threshold: int = 1 << 30) -> bool:

@@ -204,6 +204,7 @@ async def _serve(args, lm, engine) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    log.info("start-up objects frozen: %d", compute.settle_heap())
     rest_task = asyncio.create_task(server.serve())
     await stop.wait()
     t_stop = time.monotonic()

@@ -355,6 +355,8 @@ def test_run_local_check_embedded_store(tmp_path):
     r = launch(tmp_path, "--check", "--no-redis", "--drafter", "tiny-llama-draft+ngram")   # lookup in the target
     assert r.returncode == 0, r.stdout + r.stderr
     assert "draft tiny-llama-draft+ngram;" in (tmp_path / "logs" / "target.log").read_text()
+    for name in ("target", "draft"):        # compute.settle_heap: start-up objects out of the collector's full passes
+        assert "start-up objects frozen: " in (tmp_path / "logs" / f"{name}.log").read_text(), name
     assert "embedded in-memory store" in r.stdout
     assert "check: A: " in r.stdout and "check: ok" in r.stdout
     assert "target server stopped (status 0)" in r.stdout and "draft server stopped (status 0)" in r.stdout
