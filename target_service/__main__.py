@@ -163,6 +163,8 @@ async def _serve(args, lm, engine) -> int:
         from specdec.speculative.plan import ServicePlanner, profile_cost
         if isinstance(engine, Engine):      # the cost table is profiled on the engine (a few forwards)
             planner = ServicePlanner(await compute.run(profile_cost, engine))
+            log.info("verify cost profile (rows: ms): %s",
+                     ", ".join(f"{n}: {ms:.1f}" for n, ms in zip(planner.cost.rows, planner.cost.ms)))
     sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace, planner=planner)
     svc = TargetService(engine, sched, store, lm.tokenizer, model_name=lm.name, draft_name=draft_name,
                         gamma=args.gamma, mode=args.acceptance, metrics=metrics,
