@@ -235,6 +235,26 @@ def test_in_process_features_come_from_the_target_forward(tiny, trained):
     assert "forward" not in target.__dict__          # untapped again
 
 
+def test_features_are_recorded_after_a_prefix_cache_hit(tiny, trained):
+    """A prompt whose first pages come from the prefix cache runs only its tail: the tap records from there (the
+    cached positions unknown), so the drafter reads its window from the target's forwards and recomputes nothing;
+    output is plain decoding's. (Such sequences went unrecorded, and every draft recomputed the whole context.)"""
+    target = tiny.model
+    shared = random_prompt(96, 40, seed=7)
+    model = load_checkpoint(trained["block"][1], target)
+    tail = model.cfg.window + 4                 # the first draft's window lies in the rows the prefill ran
+    prompts = [shared + random_prompt(96, tail, seed=8), shared + random_prompt(96, tail, seed=9)]
+    d = BlockDrafter(model, target, tap=True)
+    try:
+        gen = SpeculativeGenerator(Engine(target, kv_tokens=8192, page_size=8, prefix_cache=True), d, gamma=4)
+        outs = [gen.generate([GenRequest(p, SamplingParams(), 20)])[0] for p in prompts]   # the second hits the cache
+        assert gen.target.prefix_hits >= 32
+        assert d.feats.recomputed == 0, d.feats.recomputed
+        assert [o.tokens for o in outs] == _target_only(target, prompts, SamplingParams(), 20)
+    finally:
+        d.close()
+
+
 def test_resume_continues_identically(tiny, data, tmp_path):
     kw = dict(kind="block", steps=6, batch=8, gamma=3, window=6, draft_vocab=64, ffn_dim=64, lr=1e-3, eval_every=0,
               target=tiny.model, dtype=torch.float64, save_every=100)
