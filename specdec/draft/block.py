@@ -253,7 +253,8 @@ class FeatureStore:
     in process the drafter reuses the target's prefill and verify rows. `rows(sid, toks, n)` returns the features of
     positions len(toks)-1-n .. len(toks)-2 (all committed, anchor excluded), recomputing on its own engine whatever
     no recorded sequence holds with the same prefix. A recorded row is used only if every token up to its position
-    matches, so rows of rejected drafts are never used; and a wrong row could only cost acceptance, never exactness."""
+    matches (but those of positions the engine's prefix cache served, which the tap never sees), so rows of rejected
+    drafts are never used; and a wrong row could only cost acceptance, never exactness."""
 
     def __init__(self, target: Transformer, layers: tuple[int, ...], kv_tokens: int = 8192, max_sessions: int = 64):
         from .model import layer_skip
@@ -262,8 +263,8 @@ class FeatureStore:
         view = layer_skip(target, f"0-{upto - 1}")                   # shares weights
         view.__dict__.pop("forward", None)                             # never a tap copied from the target
         self.engine = Engine(view, kv_tokens=kv_tokens, batch_invariant=False)
-        self.rec: dict[object, tuple[list[int], list[torch.Tensor]]] = {}   # key -> (tokens, rows)
-        self.unknown: dict[object, int] = {}   # key -> its first positions the prefix cache served (None in rec)
+        # key -> (tokens, rows, unknown): its first `unknown` positions the prefix cache served (None in both)
+        self.rec: dict[object, tuple[list[int], list[torch.Tensor], int]] = {}
         self.own: dict[str, tuple[int, list[int], list[torch.Tensor]]] = {}  # sid -> (seq, tokens, rows)
         self.where: dict[str, object] = {}
         self.max_sessions, self.tapped = max_sessions, None
@@ -280,8 +281,7 @@ class FeatureStore:
             for s in layout.seqs:
                 key = s.seq                                           # the KV sequence (pack names it)
                 start = s.read_slots.numel() - s.n
-                toks, rows = self.rec.pop(key, ([], []))
-                unknown = self.unknown.pop(key, 0)
+                toks, rows, unknown = self.rec.pop(key, ([], [], 0))
                 if toks and len(toks) < start:                         # a gap we never saw: cannot record
                     continue
                 if not toks:
@@ -291,13 +291,9 @@ class FeatureStore:
                     # private engine, served chat at 8 requests 69 ms a draft, up to 370.)
                     toks, rows, unknown = [None] * start, [None] * start, start
                 self.rec[key] = (toks[:start] + layout.tokens[s.row0:s.row0 + s.n].tolist(),
-                                 rows[:start] + list(feats[s.row0:s.row0 + s.n]))
-                if min(unknown, start):
-                    self.unknown[key] = min(unknown, start)
+                                 rows[:start] + list(feats[s.row0:s.row0 + s.n]), min(unknown, start))
                 while len(self.rec) > 4 * self.max_sessions:           # oldest first
-                    oldest = next(iter(self.rec))
-                    self.rec.pop(oldest)
-                    self.unknown.pop(oldest, None)
+                    self.rec.pop(next(iter(self.rec)))
             return logits, {i: hidden[i] for i in hidden_layers if i in hidden}
 
         target.forward = forward
@@ -315,8 +311,7 @@ class FeatureStore:
         key = self.where.get(sid)
         cands = ([key] if key in self.rec else []) + [k for k in self.rec if k != key]
         for k in cands:
-            toks, rows = self.rec[k]
-            u = self.unknown.get(k, 0)
+            toks, rows, u = self.rec[k]
             if len(toks) >= n and u <= lo and toks[u:n] == need[u:]:
                 self.where[sid] = k
                 return rows
