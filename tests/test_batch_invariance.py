@@ -273,6 +273,35 @@ def test_attention_kernel_equals_the_gemm_schedule_up_to_rounding(dtype):
     assert not ((wrong_head.reshape(80, -1).float() - ref.float()).abs() <= 2.01 * ulp).all()
 
 
+@pytest.mark.parametrize("hd,Hkv,H", [(64, 3, 9), (32, 2, 2), (128, 1, 4), (20, 2, 6)], ids=str)
+def test_attention_kernel_gives_its_reference_twins_bits(hd, Hkv, H):
+    """The C++ attention kernel against attend_kernel_ref, its arithmetic written as float32 tensor ops: the same bits,
+    for sequences of 1, 9 and 70 rows (tail keys outside the 8-key blocks, a head size with a tail outside 8-lane
+    vectors), scores from tiny to far below exp's cut-off at -87, and any thread count. It pins the order of every
+    sum, so a faster kernel (vectors of other widths, other splits of the work) must keep it."""
+    from specdec.engine.attention import attend_kernel, attend_kernel_ref, plan_groups
+    from specdec.engine.kv_cache import KVPool
+    from specdec.engine.layout import pack
+    g = torch.Generator().manual_seed(hd)
+    kv = KVPool(1, Hkv, hd, 2048, page_size=16, dtype=torch.float32)
+    kv.k.copy_(torch.randn(kv.k.shape, generator=g))
+    kv.v.copy_(torch.randn(kv.v.shape, generator=g))
+    seqs = [kv.allocate() for _ in range(3)]
+    lay = pack([SeqInput(seqs[0], list(range(70)), logits="none"), SeqInput(seqs[1], list(range(9)), logits="none"),
+                SeqInput(seqs[2], list(range(1)), logits="none")], kv, 96, 512)
+    groups = plan_groups(lay, torch.bfloat16, "cpu", 3)
+    saved = torch.get_num_threads()
+    try:
+        for size in (0.01, 1.0, 30.0):
+            q = (size * torch.randn(80, H, hd, generator=g)).bfloat16()
+            ref = attend_kernel_ref(q, kv.k[0], kv.v[0], groups)
+            for n in (saved, 1, 3):
+                torch.set_num_threads(n)
+                assert torch.equal(attend_kernel(q, kv.k[0], kv.v[0], groups), ref), (size, n)
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hkv", [1, 2])
 def test_stacked_attention_equals_each_sequence_alone(dtype, Hkv):

@@ -144,6 +144,63 @@ def attend_kernel(q, k_cache, v_cache, groups: list[AttnGroup]):
     return out
 
 
+def _tree8(a: torch.Tensor) -> torch.Tensor:
+    """kernels/fixed_sums.h's tree over the last dimension's 8 partial sums."""
+    return ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
+
+
+def _strided_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension as the kernel sums: 8 strided float32 partial sums in index order, then the tree."""
+    n = x.shape[-1]
+    acc = torch.zeros(*x.shape[:-1], 8, dtype=torch.float32)
+    for i in range(0, n - n % 8, 8):
+        acc = acc + x[..., i:i + 8]
+    for i in range(n - n % 8, n):
+        acc[..., i % 8] = acc[..., i % 8] + x[..., i]
+    return _tree8(acc)
+
+
+def _exp_le0(x: torch.Tensor) -> torch.Tensor:
+    """layer_ops.cpp's exp_le0 as float32 tensor ops, one IEEE operation each, in its order."""
+    f = lambda c: torch.tensor(c, dtype=torch.float32)  # noqa: E731 - the C++ float literals
+    under = x < -87
+    xc = torch.where(under, f(-87.0), x)
+    k = (xc * f(1.44269504088896341) + f(12582912.0)) - f(12582912.0)
+    r = (xc - k * f(0.693359375)) - k * f(-2.12194440e-4)
+    y = f(1.9875691500e-4).expand_as(r)
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        y = y * r + f(c)
+    y = (y * (r * r) + r) + f(1.0)
+    scale = ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+    return torch.where(under, f(0.0), y * scale)
+
+
+def attend_kernel_ref(q, k_cache, v_cache, groups: list[AttnGroup]):
+    """attend_kernel's arithmetic as float32 tensor ops, a row at a time (all heads at once): each score an 8-strided
+    dot product ended by the fixed tree, times the scale; exp_le0 of score - max; the 8-strided sum; each weight
+    divided by it; the weighted sum of values in key order, one rounded multiply and add a key. The C++ kernel must
+    give these bits exactly (tests), however it vectorises or splits the work. Slow: a reference."""
+    T, H, hd = q.shape
+    heads = torch.arange(H) // (H // k_cache.shape[1])   # each query head's kv head
+    scale = torch.tensor(1.0 / math.sqrt(hd), dtype=torch.float32)
+    out = torch.zeros(T, H * hd, dtype=q.dtype)
+    for grp in groups:
+        for row, L, sl in ((int(r), int(n), grp.slots[i]) for i in range(grp.rows.shape[0])
+                           for r, n in zip(grp.rows[i], grp.lens[i])):
+            if row < 0 or L <= 0:
+                continue
+            k = k_cache[sl[:L]][:, heads].transpose(0, 1)            # [H, L, hd]
+            v = v_cache[sl[:L]][:, heads].transpose(0, 1)
+            scores = _strided_sum(q[row].float()[:, None, :] * k) * scale   # [H, L]
+            p = _exp_le0(scores - scores.max(dim=1, keepdim=True).values)
+            p = p / _strided_sum(p)[:, None]
+            o = torch.zeros(H, hd, dtype=torch.float32)
+            for j in range(L):
+                o = o + p[:, j:j + 1] * v[:, j]
+            out[row] = o.to(q.dtype).reshape(-1)
+    return out
+
+
 def attend_gemm(q, k_cache, v_cache, groups: list[AttnGroup]):
     """The same as batched GEMMs. Per group: three gathers into GEMM layout, two batched GEMMs of QUERY_TILE rows, one
     gather back (decode is dispatch-bound, so every reshuffle is a precomputed index rather than a permute and a
