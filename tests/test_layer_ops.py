@@ -102,9 +102,9 @@ def test_write_kv_kernel_is_index_copy(cache_dtype, dtype):
 
 def test_a_bf16_forward_runs_every_layer_kernel(monkeypatch):
     """The engine's bf16 forward (inference mode, nn.Parameter weights that still require grad) takes the kernels in
-    every layer: through the Python blocks, or, where the weights are prepacked for oneDNN, one `block` call a layer
-    (which runs the same kernels from C++); and a forward under autograd (the drafter's training) takes the tensor
-    ops."""
+    every layer: through the Python blocks, or, where the weights are prepacked for oneDNN or bf16_linear's, one
+    `block` call a layer (which runs the same kernels from C++); and a forward under autograd (the drafter's
+    training) takes the tensor ops."""
     from specdec.engine.engine import Engine
     from specdec.engine.layout import SeqInput
     from specdec.engine.prepack import is_prepacked
@@ -118,7 +118,8 @@ def test_a_bf16_forward_runs_every_layer_kernel(monkeypatch):
     e = Engine(model)
     L = model.cfg.n_layers
     e.forward([SeqInput(e.new_sequence(), [1, 2, 3])])
-    if is_prepacked(model.layers[0].attn.wqkv.weight):
+    wqkv = model.layers[0].attn.wqkv
+    if is_prepacked(wqkv.weight) or kernels.bf16_linear_takes(wqkv.weight, wqkv.bias):
         assert calls == {"block": L, "rms_norm": 1}        # the final norm
     else:
         assert calls == {"rms_norm": 2 * L + 1, "attend": L, "rope": L, "write_kv": L}

@@ -516,19 +516,24 @@ def test_quantized_speculative_equals_target_only(qmodels, pair, mode):
     assert _speculative(target, drafters["model"], prompts, sp, 12, gamma=4, mode="coupled") == seeded
 
 
-@pytest.mark.parametrize("mode", ["w4a8", "none"])
+@pytest.mark.parametrize("mode", ["w4a8", "none", "bf16-emulated"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 def test_fused_blocks_give_the_eager_bits(monkeypatch, name, mode):
-    """A model whose linears are all qdot's (w4a8) or prepacked for oneDNN (bf16, where this CPU's oneDNN agrees with
-    F.linear) runs each block as one C++ call (kernels/layer_ops.cpp `block`, the Python path's ops in its order):
-    every row's logits are bitwise the eager path's, for prefills of two sequences, then a decode row beside a 5-row
-    verify (ragged), then rows after a rollback (reading the K/V the fused blocks wrote). tiny-qwen2 adds the qkv
-    bias and grouped heads."""
+    """A model whose linears are all qdot's (w4a8), prepacked for oneDNN (bf16, where this CPU's oneDNN agrees with
+    F.linear) or bf16_linear's (bf16 where bf16 is emulated; forced here on any CPU) runs each block as one C++ call
+    (kernels/layer_ops.cpp `block`, the Python path's ops in its order): every row's logits are bitwise the eager
+    path's, for prefills of two sequences, then a decode row beside a 5-row verify (ragged), then rows after a
+    rollback (reading the K/V the fused blocks wrote). tiny-qwen2 adds the qkv bias and grouped heads."""
+    from specdec.engine import kernels
     from specdec.engine import model as M
+    from specdec.engine import prepack
     from specdec.engine.layout import SeqInput
     from specdec.engine.prepack import is_prepacked
+    if mode == "bf16-emulated":       # as on an AVX2-only CPU: no oneDNN bf16 reorder, bf16_linear for every linear
+        monkeypatch.setattr(kernels, "bf16_emulated", lambda: True)
+        monkeypatch.setattr(prepack, "available", lambda: False)
     model = load(name, "bf16").model
-    if mode != "none":
+    if mode == "w4a8":
         model = Q.quantize_model(model, mode)
     V = model.cfg.vocab_size
     real = M.Transformer._fused_blocks
@@ -549,10 +554,11 @@ def test_fused_blocks_give_the_eager_bits(monkeypatch, name, mode):
 
     fused = run(True)
     packed = all(isinstance(lin, Q.QLinear) or is_prepacked(lin.weight)
+                 or kernels.bf16_linear_takes(lin.weight, lin.bias)
                  for name, lin in model.linears().items() if name.startswith("layers."))
     assert len(taken) == 3 and all((t is not None) == packed for t in taken)   # where it may, the fused path ran
-    if mode == "w4a8":
-        assert packed            # qdot everywhere: always fused on a CPU with our kernels
+    if mode != "none":
+        assert packed            # qdot or bf16_linear everywhere: always fused on a CPU with our kernels
     eager = run(False)
     for x, y in zip(fused, eager):
         assert torch.equal(x, y)

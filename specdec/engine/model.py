@@ -156,7 +156,8 @@ class Block(nn.Module):
         return post(x, o, a.wo.weight, self.mlp_norm.weight, self.mlp_norm.eps, m.w_gate_up.weight, m.w_down.weight)
 
     def block_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """kernels.block's weights and sizes for this block, or None unless each linear is qdot's or prepacked."""
+        """kernels.block's weights and sizes for this block, or None unless each linear is qdot's, prepacked, or
+        bf16_linear's."""
         a, m = self.attn, self.mlp
         w, meta = [self.attn_norm.weight], [a.n_heads, a.n_kv_heads, a.hd]
         for i, lin in enumerate((a.wqkv, a.wo, m.w_gate_up, m.w_down)):
@@ -164,6 +165,8 @@ class Block(nn.Module):
                 weight, kind = lin.qweight, BITS[lin.kind]
             elif is_prepacked(lin.weight):
                 weight, kind = lin.weight, 0
+            elif kernels.bf16_linear_takes(lin.weight, lin.bias):    # where bf16 is emulated
+                weight, kind = lin.weight, -1
             else:
                 return None
             w.append(weight)
@@ -225,8 +228,8 @@ class Transformer(nn.Module):
 
     def _fused_blocks(self, x, layout, kv, pre, post, linear) -> list | None:
         """Each block's kernels.block arguments where one C++ call per block gives the eager path's bits: every
-        linear qdot's or prepacked for oneDNN, never split into row tiles; the batch-invariant kernel attention
-        (attention.attend_kernel); the layer kernels usable. Else None."""
+        linear qdot's, prepacked for oneDNN or bf16_linear's, never split into row tiles; the batch-invariant kernel
+        attention (attention.attend_kernel); the layer kernels usable. Else None."""
         if not (_eager(pre, pre_attention, linear) and _eager(post, post_attention, linear)) \
                 or layout.attn_groups is None:
             return None

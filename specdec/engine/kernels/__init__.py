@@ -92,9 +92,9 @@ def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tens
 
 
 def block(x, w, meta, eps: float, cos, sin, k_cache, v_cache, write_slots, attn, scale: float) -> torch.Tensor:
-    """One transformer block whose linears are qdot's or prepacked for oneDNN, in one call: model.Block.forward's
-    ops in its order (the same bits); w, meta: model.Block.block_args(); attn: each attention group's rows, slots
-    and lens."""
+    """One transformer block whose linears are qdot's, prepacked for oneDNN or bf16_linear's, in one call:
+    model.Block.forward's ops in its order (the same bits); w, meta: model.Block.block_args(); attn: each attention
+    group's rows, slots and lens."""
     _load()
     _qdot_choices()
     return torch.ops.specdec.block(x, w, meta, eps, cos, sin, k_cache, v_cache, write_slots, attn, scale)
@@ -139,12 +139,18 @@ def bf16_emulated() -> bool:
     return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def bf16_linear_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """Whether quant.linear runs bf16_linear for this call: plain bf16 tensors (not a QLinear, not prepacked), K a
-    multiple of 8, on a CPU without bf16 arithmetic, where the kernels may run (no autograd)."""
+def bf16_linear_takes(w, b: torch.Tensor | None) -> bool:
+    """Whether bf16_linear is this weight's linear (for bf16 rows of x): a plain bf16 tensor (not a QLinear, not
+    prepacked), K a multiple of 8, a bf16 bias or none, on a CPU without bf16 arithmetic."""
     # bf16_emulated first: every dense linear of a forward asks, and on most CPUs the answer ends there
-    return (bf16_emulated() and isinstance(w, torch.Tensor) and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2
-            and w.dim() == 2 and w.shape[1] % 8 == 0 and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16)
+    return (bf16_emulated() and isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2
+            and w.shape[1] % 8 == 0 and not w.is_mkldnn and (b is None or b.dtype == torch.bfloat16))
+
+
+def bf16_linear_usable(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether quant.linear runs bf16_linear for this call: bf16_linear_takes the weight, x is bf16 [M, K], and the
+    kernels may run (no autograd)."""
+    return (bf16_linear_takes(w, b) and x.dtype == torch.bfloat16 and x.dim() == 2
             and usable(x, w, *(() if b is None else (b,))))
 
 

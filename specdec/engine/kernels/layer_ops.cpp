@@ -383,27 +383,34 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, c
 }
 
 // A linear of kernels.block: kind > 0, qdot's codes of that many bits then the bias (quant.QLinear.mm); kind 0, a
-// weight prepacked for oneDNN with its bias (prepack.prepacked_linear); b undefined or empty: none. Both through the
-// dispatcher, as from Python.
+// weight prepacked for oneDNN with its bias (prepack.prepacked_linear); kind -1, a bf16 weight for bf16_linear with
+// its bias (where bf16 is emulated); b undefined or empty: none. All through the dispatcher, as from Python.
 at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t kind, int64_t n) {
+  const bool bias = b.defined() && b.numel();
+  if (kind == -1) {
+    static auto dense = c10::Dispatcher::singleton().findSchemaOrThrow("specdec::bf16_linear", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+    return dense.call(x, w, bias ? std::optional<at::Tensor>(b) : std::nullopt);
+  }
   static auto qdot = c10::Dispatcher::singleton().findSchemaOrThrow("specdec::qdot", "")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
   if (kind > 0) {
     at::Tensor y = qdot.call(x, w, kind, n);
-    return b.defined() && b.numel() ? y + b : y;
+    return bias ? y + b : y;
   }
   static auto packed = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
-  return packed.call(x.contiguous(), w, b.defined() && b.numel() ? std::optional<at::Tensor>(b) : std::nullopt, "none",
+  return packed.call(x.contiguous(), w, bias ? std::optional<at::Tensor>(b) : std::nullopt, "none",
                      c10::List<std::optional<at::Scalar>>(), "");
 }
 
-// One transformer block (engine/model.py Block.forward) whose linears are qdot's or prepacked for oneDNN: the same ops
-// in the same order as the Python path, called from here instead of through ~25 Python calls, so the same bits
-// (tests compare the two with torch.equal). Without qdot's time (a stand-in returning zeros) a Qwen 0.5B decode step
-// was 4.1 ms, ~100 us a layer of it Python; with this call a whole step took 0.80x the time at 1 row (1.5B: 0.87x,
-// SmolLM2 w4a8: 0.68x, SmolLM2 bf16 prepacked: 0.87x at 1-16 rows; a 2-core Sapphire Rapids). w: attn norm, qkv
+// One transformer block (engine/model.py Block.forward) whose linears are qdot's, prepacked or bf16_linear's: the
+// same ops in the same order as the Python path, called from here instead of through ~25 Python calls, so the same
+// bits (tests compare the two with torch.equal). Without qdot's time (a stand-in returning zeros) a Qwen 0.5B decode
+// step was 4.1 ms, ~100 us a layer of it Python; with this call a whole step took 0.80x the time at 1 row (1.5B:
+// 0.87x, SmolLM2 w4a8: 0.68x, SmolLM2 bf16 prepacked: 0.87x at 1-16 rows; a 2-core Sapphire Rapids; SmolLM2 bf16 on
+// bf16_linear, a Zen 3: 0.81x at 1 row, 0.91x at 8, 0.97x at 40). w: attn norm, qkv
 // weight, qkv bias (empty: none), wo, mlp norm, gate-up, down; meta: H, Hkv, hd, then kind (block_linear) and outputs
 // of qkv, wo, gate-up and down; attn: each attention group's rows, slots and lens.
 at::Tensor block(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, double eps, const at::Tensor& cos,
