@@ -104,36 +104,37 @@ inline void dots8(const float* a, const float* const b[NK], int64_t n, float* ou
 // exp(r) by Cephes' degree-6 polynomial, times 2^k from the exponent bits. Within 1 ulp of std::exp (every float in
 // [-87, 0] checked); below -87 (2^-126 and less) it gives 0. One fixed sequence of IEEE operations, so a lane and the
 // scalar tail give the same bits and a row's result does not depend on where its keys fall in a vector.
+// Its constants: one copy for the scalar function and its 8-lane twin, whose bits must agree.
+constexpr float EXP_LO = -87.f, EXP_LOG2E = 1.44269504088896341f, EXP_SHIFT = 12582912.f;
+constexpr float EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_le0(float x) {
-  const float xc = x < -87.f ? -87.f : x;
-  const float k = (xc * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = (xc - k * 0.693359375f) - k * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
+  const float xc = x < EXP_LO ? EXP_LO : x;
+  const float k = (xc * EXP_LOG2E + EXP_SHIFT) - EXP_SHIFT;
+  const float r = (xc - k * EXP_LN2_HI) - k * EXP_LN2_LO;
+  float y = EXP_POLY[0];
+  for (int i = 1; i < 6; ++i) y = y * r + EXP_POLY[i];
   y = (y * (r * r) + r) + 1.f;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.f ? 0.f : y * scale;
+  return x < EXP_LO ? 0.f : y * scale;
 }
 
 #ifdef __AVX2__
 // exp_le0 of 8 lanes: the same IEEE operations in the same order, so each lane's bits are the scalar's (GCC left the
 // scalar loop unvectorized here, and it took 40% of a Zen 3's attention time once the weighted sums were vectors)
 inline __m256 exp_le0_8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  const __m256 lo = _mm256_set1_ps(EXP_LO), under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   const __m256 xc = _mm256_blendv_ps(x, lo, under);
-  const __m256 shift = _mm256_set1_ps(12582912.f);
-  const __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)), shift), shift);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(k, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(c));
+  const __m256 shift = _mm256_set1_ps(EXP_SHIFT);
+  const __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)), shift), shift);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(xc, _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_HI))),
+                                 _mm256_mul_ps(k, _mm256_set1_ps(EXP_LN2_LO)));
+  __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(EXP_POLY[i]));
   y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
