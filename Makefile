@@ -94,7 +94,8 @@ clean:
 # better: README), with its hidden states (>= 1M tokens, cached and resumable under
 # ~/.cache/specdec/drafter/$(MODEL)/data), then the block drafter and the EAGLE-style baseline trained on them
 # (checkpoint + config + metrics next to the data); then the block drafter is shipped into
-# specdec/draft/checkpoints/$(MODEL) (bf16, committed). Rerunning resumes. This recipe made the shipped checkpoint.
+# specdec/draft/checkpoints/$(MODEL) (bf16, committed) with the data's token ids (corpus.safetensors: the corpus
+# drafter's, +corpus). Rerunning resumes. This recipe made the shipped checkpoint and corpus.
 # Data: 160-170 tok/s measured on 2 cores (bf16 where the CPU has native bf16, else float32): ~1.7 h for 1M tokens;
 # ~440 tok/s on a 2-core Sapphire Rapids Xeon (38 min).
 # Small runs: TRAIN_ARGS="--tokens 20000 --steps 300 --data-minutes 10 --train-minutes 5".

@@ -1,7 +1,7 @@
 """Run the whole stack on localhost, in the foreground: Redis (or the embedded store), the draft server, the target
 server. `make run` runs this. Ctrl-C / SIGTERM stops everything; a child that dies takes the rest down with it.
 
-  python deploy/run_local.py                       # smollm2-135m target, trained drafter + lookup on its own server
+  python deploy/run_local.py                       # smollm2-135m target, trained drafter on its own server, lookups
   python deploy/run_local.py --drafter layer-skip  # or any draft model preset / path sharing the target's vocab
   python deploy/run_local.py --check               # smoke test: start, one chat request, clean shutdown, exit 0
 """
@@ -98,7 +98,7 @@ def draft_threads(drafter: str, device: str) -> list[str]:
     spin on after each answer, on the cores the target then verifies with (SmolLM2 at batch 1 on 2 cores, every draft
     verified: the verify after a draft 25.5 ms against 20.6 with one draft thread; drafting 7.9 ms against 7.1).
     A draft model keeps the default (its forward is long enough to want every core)."""
-    return ["--threads", "1"] if drafter in ("block", "ngram") and device == "cpu" else []
+    return ["--threads", "1"] if drafter in ("block", "ngram", "corpus") and device == "cpu" else []
 
 
 class Child:
@@ -200,11 +200,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2-135m", help="target model preset or path (default: smollm2-135m)")
     # Measured on SmolLM2 (chat set, greedy, batch 1, one interleaved run, gamma 4): the trained block drafter with
     # prompt lookup where the context repeats 1.26x target-only, block alone 1.13x, n-gram 1.16x (HumanEval: 1.94x,
-    # 1.18x, 1.59x), hence block+ngram where a trained drafter ships.
+    # 1.18x, 1.59x), hence block+ngram where a trained drafter ships; and the corpus of the target's own text where
+    # the context has no match (served HumanEval at 8 requests 1.30x against 1.15-1.19x, chat unchanged: README).
     ap.add_argument("--drafter", default="auto",
                     help="draft server's drafter: ngram | layer-skip | block | a draft model preset or path, each "
-                         "optionally +ngram: prompt lookup in the target, that drafter where lookup finds nothing "
-                         "(default auto: block+ngram, the shipped trained drafter, for smollm2-135m without --tp; "
+                         "optionally +ngram and/or +corpus: prompt lookup (and the corpus of the target's own text) "
+                         "in the target, that drafter where lookup finds nothing "
+                         "(default auto: block+ngram+corpus, the shipped trained drafter and corpus, for smollm2-135m "
+                         "without --tp; "
                          "else ngram)")
     ap.add_argument("--port", type=int, help="target REST port (default 8000; 0 = any free port)")
     ap.add_argument("--grpc-port", type=int, help="target gRPC port (default 50051; 0 = any free port)")
@@ -289,17 +292,18 @@ def run(args: argparse.Namespace, children: list[Child]) -> int:
         say("Redis: --no-redis, using the embedded in-memory store")
     draft_addr = f"127.0.0.1:{ports['draft_port']}"
     py = sys.executable
-    # --target-model is what layer-skip keeps layers of; other drafters ignore it. NAME+ngram: the target looks up
-    # itself (no round trip for a copied block) and asks the draft server's NAME only where lookup finds nothing.
-    lookup = args.drafter.endswith("+ngram")
-    drafter = args.drafter.removesuffix("+ngram")
+    # --target-model is what layer-skip keeps layers of; other drafters ignore it. NAME+ngram(+corpus): the target
+    # looks up itself (no round trip for a copied block) and asks the draft server's NAME only where lookup finds
+    # nothing.
+    drafter, *looks = args.drafter.split("+")
     draft = Child("draft server", [py, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft_port"]),
                                    "--drafter", drafter, "--target-model", args.model, "--device", args.device,
                                    *draft_threads(drafter, args.device)], args.log_dir / "draft.log")
     target = Child("target server", [py, "-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["port"]),
                                      "--grpc-port", str(ports["grpc_port"]), "--model", args.model,
                                      "--draft", draft_addr, "--draft-name", drafter, "--redis-url", redis_url,
-                                     "--tp", str(args.tp), "--device", args.device, *(["--lookup"] if lookup else [])],
+                                     "--tp", str(args.tp), "--device", args.device,
+                                     *(["--lookup", ",".join(looks)] if looks else [])],
                     args.log_dir / "target.log")
     # Both at once: the target's draft channel connects lazily, and loading the two models overlaps.
     for c in (draft, target):
@@ -323,7 +327,7 @@ def run(args: argparse.Namespace, children: list[Child]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.drafter == "auto":   # the block drafter needs its checkpoint and the target's hidden states (no TP)
-        args.drafter = "block+ngram" if args.model == "smollm2-135m" and args.tp == 1 else "ngram"
+        args.drafter = "block+ngram+corpus" if args.model == "smollm2-135m" and args.tp == 1 else "ngram"
 
     def on_signal(sig, _frame):
         raise Stop(signal.Signals(sig).name)

@@ -365,8 +365,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bind address (loopback by default; 0.0.0.0 to serve other hosts) [SPECDEC_DRAFT_HOST]")
     p.add_argument("--port", type=int, default=int(_env("SPECDEC_DRAFT_PORT", 50061)), help="[SPECDEC_DRAFT_PORT]")
     p.add_argument("--drafter", default=_env("SPECDEC_DRAFTER", "ngram"),
-                   help="ngram | layer-skip | block (trained, on the target's hidden states) | a draft model preset "
-                        "or path; NAME+ngram: prompt lookup where the context repeats, NAME elsewhere "
+                   help="ngram | corpus (the target's own past text) | layer-skip | block (trained, on the target's "
+                        "hidden states) | a draft model preset or path; NAME+ngram: prompt lookup where the context "
+                        "repeats, NAME elsewhere; NAME+ngram+corpus: the corpus where the context has no match "
                         "[SPECDEC_DRAFTER]")
     p.add_argument("--target-model", default=_env("SPECDEC_TARGET_MODEL", "smollm2-135m"),
                    help="the target model whose layers layer-skip keeps (block: whose embedding it shares) "

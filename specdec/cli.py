@@ -83,7 +83,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default=None, help="ngram | layer-skip | a draft model (preset/path); "
+    p.add_argument("--draft", default=None, help="ngram | corpus | layer-skip | block | a draft model (preset/path), "
+                                                 "each optionally +ngram and/or +corpus (lookups tried first); "
                                                  "unset = target-only decoding")
     p.add_argument("--draft-layers", default=None, help="layer-skip: target layers to keep, e.g. 0-11,18-29")
     add_quant_arg(p, "--draft-quant", "SPECDEC_DRAFT_QUANT", "a draft model (layer-skip shares the target's)")

@@ -19,6 +19,17 @@ log = logging.getLogger("specdec.target")
 BACKEND_DEAD_LINGER_S = 2.0
 
 
+def lookup_names(value: str) -> list[str]:
+    """--lookup's value as lookup drafters' names: '' / '0' none, '1' ngram (the flag's old meaning), else a list."""
+    from specdec.draft import LOOKUPS
+    value = value.strip()
+    names = [] if value in ("", "0") else ["ngram"] if value == "1" else value.replace("+", ",").split(",")
+    bad = [n for n in names if n not in LOOKUPS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]!r} is not one of {', '.join(LOOKUPS)}")
+    return names
+
+
 def env(name: str, default=None):
     return os.environ.get(f"SPECDEC_{name}", default)
 
@@ -56,9 +67,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft", default=env("DRAFT_ADDR", ""),
                     help="draft server host:port; 'ngram' drafts in process; empty = no speculation")
     ap.add_argument("--draft-name", default=env("DRAFT_NAME", ""), help="the draft model's name, for the records")
-    ap.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=env("LOOKUP", "0") not in ("", "0"),
-                    help="prompt lookup in this process where the context repeats, the draft server only elsewhere "
-                         "(no round trip for a copied block) [SPECDEC_LOOKUP]")
+    ap.add_argument("--lookup", nargs="?", type=lookup_names, const=["ngram"], default=env("LOOKUP", ""),
+                    help="drafters that copy, run in this process, the draft server asked only where they find "
+                         "nothing (no round trip for a copied block): ngram (prompt lookup in the context; also "
+                         "bare --lookup or 1), corpus (the target's own past text, shipped beside its block drafter), "
+                         "or ngram,corpus (tried in that order); empty or 0: none [SPECDEC_LOOKUP]")
     ap.add_argument("--draft-deadline-ms", type=float, default=float(env("DRAFT_DEADLINE_MS", 1000)))
     ap.add_argument("--draft-token", default=env("DRAFT_TOKEN") or None,
                     help="shared secret sent to the draft server (its --auth-token); prefer the env var")
@@ -142,9 +155,12 @@ async def _serve(args, lm, engine) -> int:
         drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000,
                                 token=args.draft_token, tls_ca=args.draft_tls_ca,
                                 target_model=getattr(lm, "model", None))   # hidden states for a block drafter
-        if args.lookup:
+        looks = args.lookup
+        if looks:
+            from specdec.draft import lookup_drafter
             from specdec.draft.hybrid import HybridDrafter
-            drafter, draft_name = HybridDrafter(drafter), f"{draft_name}+ngram"
+            drafter = HybridDrafter(drafter, lookups=[lookup_drafter(n, getattr(lm, "model", None)) for n in looks])
+            draft_name = "+".join([draft_name, *looks])
     if drafter is not None:
         from specdec.draft import warm_up
         ms = await compute.run(warm_up, drafter, engine.vocab_size)

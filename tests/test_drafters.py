@@ -1,13 +1,16 @@
+import random
+
 import pytest
 import torch
 
 from specdec.draft import make_drafter
+from specdec.draft.corpus import Corpus, save_corpus
 from specdec.draft.model import ModelDrafter, layer_skip, restrict_vocab
 from specdec.draft.ngram import lookup
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.registry import load
-from specdec.errors import InvalidRequest
+from specdec.errors import InvalidRequest, SpecdecError
 from specdec.speculative.accept import Mode
 from specdec.speculative.propose import DraftItem, SessionLost, SparseRows
 from specdec.speculative.sampling import SamplingParams
@@ -155,4 +158,62 @@ def test_hybrid_copies_where_the_context_repeats_and_drafts_elsewhere():
     assert copied == [True, False, True]
     assert asked == [[toks[:6]], [toks[6:12]]]           # the first call, then the catch-up past the copied step
     d.release("r")
-    assert "r" not in d.model.kv and "r" not in d.lookup.sessions.tokens
+    assert "r" not in d.model.kv and "r" not in d.sessions.tokens
+
+
+def test_corpus_index_gives_the_scans_answer():
+    """The hashed index (every order's most frequent next token, its count, the total) equals scanning the
+    documents, for contexts that match at every order, none, or only across a document boundary (which must not
+    count)."""
+    rng = random.Random(0)
+    for vocab, max_n in ((5, 4), (40, 6)):
+        docs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 60))] for _ in range(40)]
+        corpus = Corpus([t for d in docs for t in d], [len(d) for d in docs], max_n=max_n, min_n=2)
+        seen = {"match": 0, "none": 0}
+        for _ in range(1500):
+            d = rng.choice(docs)
+            i = rng.randrange(len(d) + 1)
+            ctx = d[max(0, i - rng.randrange(1, 9)):i] if rng.random() < 0.5 else \
+                [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))]
+            got = corpus.next(ctx)
+            assert got == corpus.next_ref(ctx, docs), ctx
+            seen["match" if got else "none"] += 1
+        assert min(seen.values()) > 50
+    # a context that exists only across two documents' boundary is not in the index
+    c = Corpus([1, 2, 3, 4], [2, 2], max_n=3, min_n=2)
+    assert c.next([1, 2]) is None and c.next([2, 3]) is None and c.next([3, 4]) is None
+    assert Corpus([1, 2, 3, 1, 2, 4, 1, 2, 3], [9], max_n=3).next([1, 2]) == (3, 2, 3)
+
+
+def test_corpus_drafts_extend_the_longest_match_and_stop_where_none_holds():
+    c = Corpus([7, 8, 9, 10, 11, 0, 5, 8, 9, 12], [6, 4], max_n=3, min_n=2)
+    # confidence count / (total + 1): a context seen once says 1/2, one seen twice with two successors 1/3
+    assert c.draft([1, 7, 8], 8) == ([9, 10, 11, 0], [0.5] * 4)       # order 3 down to 2: "5 8 9 12" is shadowed
+    assert c.draft([5, 8], 2) == ([9, 12], [0.5, 0.5])
+    assert c.draft([3, 8, 9], 3, min_conf=0.4) == ([], [])              # "8 9" -> 10 or 12, once each
+    assert c.draft([3, 8, 9], 3) == ([10, 11, 0], [1 / 3, 0.5, 0.5])   # a tie goes to the smaller id
+    with pytest.raises(ValueError, match="add up"):
+        Corpus([1, 2, 3], [2])
+
+
+def test_hybrid_tries_its_lookups_in_order_then_the_model(tmp_path):
+    """model+ngram+corpus: the context's continuation where it has one, else the corpus's, else the model's block;
+    corpus blocks are copied (one-hot q) and carry the corpus frequencies as confidence."""
+    save_corpus(tmp_path / "corpus.safetensors", [40, 41, 42, 43, 44, 45], [6])
+    d = make_drafter("tiny-llama-draft+ngram+corpus", dtype=torch.float64, checkpoint=str(tmp_path))
+    assert d.name == "tiny-llama-draft+ngram+corpus"
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    toks = [5, 60, 7, 90, 3, 8]
+    first = d.propose([DraftItem("r", toks, len(toks), 3, seeded, Mode.COUPLED)])[0]
+    assert not first.copied and len(first.tokens) == 3                                 # the model's
+    toks += [60, 7]
+    got = d.propose([DraftItem("r", [60, 7], len(toks), 3, seeded, Mode.COUPLED)])[0]
+    assert got.copied and got.tokens == [90, 3, 8]                                      # the context's
+    toks += [41, 42]
+    got = d.propose([DraftItem("r", [41, 42], len(toks), 3, seeded, Mode.COUPLED)])[0]
+    assert got.copied and got.tokens == [43, 44, 45] and got.confidence == [0.5] * 3    # the corpus's
+    assert torch.equal(got.q_dense(96).argmax(-1), torch.tensor([43, 44, 45]))
+    with pytest.raises(SpecdecError, match="no corpus"):
+        make_drafter("ngram+corpus", checkpoint=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="may follow"):
+        make_drafter("ngram+layer-skip+corpus")

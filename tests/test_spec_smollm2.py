@@ -117,3 +117,21 @@ def test_trained_block_drafter_is_exact(smollm2, prompts, greedy_ref, seeded_ref
         assert [o.tokens for o in outs] == seeded_ref["T1.0"]
     finally:
         d.close()
+
+
+def test_shipped_corpus_drafts_exactly(smollm2, prompts, greedy_ref, seeded_ref):
+    """The corpus shipped beside the trained drafter (the target's own text from its training data): alone and as
+    block+ngram+corpus, greedy output is target-only output and coupled output plain seeded decoding, bitwise; its
+    blocks are copied (one-hot q) and some are accepted."""
+    corpus = make_drafter("corpus", smollm2.model)
+    outs = run(smollm2, corpus, [GenRequest(p, SamplingParams(), TOKENS) for p in prompts], gamma=6)
+    assert [o.tokens for o in outs] == greedy_ref
+    assert sum(o.stats.accepted for o in outs) > 0
+    outs = run(smollm2, corpus, [GenRequest(p, SEEDED["T1.0"], TOKENS) for p in prompts], gamma=4, mode=Mode.COUPLED)
+    assert [o.tokens for o in outs] == seeded_ref["T1.0"]
+    d = make_drafter("block+ngram+corpus", smollm2.model)
+    try:
+        outs = run(smollm2, d, [GenRequest(p, SamplingParams(), TOKENS) for p in prompts], gamma=6)
+        assert [o.tokens for o in outs] == greedy_ref
+    finally:
+        d.close()

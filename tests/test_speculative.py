@@ -6,8 +6,10 @@ import json
 import pytest
 
 from specdec.draft import make_drafter
+from specdec.draft.corpus import Corpus, CorpusDrafter
 from specdec.draft.hybrid import HybridDrafter
 from specdec.draft.model import ModelDrafter, restrict_vocab
+from specdec.draft.ngram import NgramDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.generate import Request, generate
@@ -25,8 +27,19 @@ def models():
     return {n: load(n).model for pair in PAIRS for n in pair}
 
 
+def own_corpus(target):
+    """The target's own greedy text on some test prompts, cut short: a corpus whose blocks are often right."""
+    prompts = prompts_for(target)[1:4]
+    docs = [p + out for p, out in zip(prompts, target_only(target, prompts, SamplingParams(), 12))]
+    return Corpus([t for d in docs for t in d], [len(d) for d in docs])
+
+
 def drafters(target, draft):
+    corpus = own_corpus(target)
     return {"model": ModelDrafter(draft, kv_tokens=4096), "ngram": make_drafter("ngram"),
+            "corpus": CorpusDrafter(corpus),
+            "model+ngram+corpus": HybridDrafter(ModelDrafter(draft, kv_tokens=4096),
+                                                lookups=[NgramDrafter(3, 2), CorpusDrafter(corpus)]),
             "model-first-64-ids": ModelDrafter(restrict_vocab(draft, 64), kv_tokens=4096),
             "model-min-conf": ModelDrafter(draft, kv_tokens=4096, min_conf=0.3),
             "model+ngram": HybridDrafter(ModelDrafter(draft, kv_tokens=4096)),
@@ -62,6 +75,9 @@ def test_greedy_lossless(models, pair):
     # the pair really speculates: drafts are accepted and steps emit several tokens
     outs, _ = speculative(target, ModelDrafter(draft), prompts, SamplingParams(), 24, gamma=4)
     assert 0.2 < sum(o.stats.accepted for o in outs) / sum(o.stats.drafted for o in outs) < 0.95
+    # and the corpus's copies of the target's own text are accepted (a corpus drafting off by one token: none are)
+    outs, _ = speculative(target, CorpusDrafter(own_corpus(target)), prompts, SamplingParams(), 24, gamma=4)
+    assert sum(o.stats.accepted for o in outs) > sum(o.stats.drafted for o in outs) / 2
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p[0])

@@ -111,7 +111,7 @@ def cmd_bench(args) -> int:
         variants = {name: [(v, mc, (f" vocab={v or 'all'}" if len(vocabs) > 1 else "") +
                             (f" min_conf={mc:g}" if len(confs) > 1 else ""))
                            for v in vocabs for mc in confs]
-                    if kind.removesuffix("+ngram") not in ("ngram", "block")      # no draft model: one variant
+                    if kind.split("+")[0] not in ("ngram", "corpus", "block")      # no draft model: one variant
                     else [(vocabs[0], confs[0], "")] for name, (kind, _, _) in kinds.items()}
         drafters = {name + label:
                     make_drafter(kind, target, dtype=args.dtype, kv_tokens=args.kv_tokens, skip=args.draft_layers,
@@ -257,8 +257,9 @@ def add_parsers(sub) -> None:
     b = sub.add_parser("bench", help="benchmark speculative decoding against target-only decoding")
     b.add_argument("--url", default=None, help="a running stack's REST base URL; unset = in process")
     b.add_argument("--target", default="smollm2-135m")
-    b.add_argument("--draft", default="ngram", help="in process: ngram | layer-skip | block[:DIR] | a draft model, "
-                   "each optionally +ngram (prompt lookup where the context repeats); "
+    b.add_argument("--draft", default="ngram", help="in process: ngram | corpus | layer-skip | block[:DIR] | a draft "
+                   "model, each optionally +ngram (prompt lookup where the context repeats) and/or +corpus (the "
+                   "target's own past text: draft/corpus.py); "
                    "comma-separated: each one in the same interleaved run")
     b.add_argument("--draft-checkpoint", default=None, help="block: the trained drafter (default: the shipped one)")
     b.add_argument("--draft-layers", default=None)

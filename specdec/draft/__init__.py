@@ -8,30 +8,41 @@ from pathlib import Path
 from ..speculative.propose import Drafter
 
 
+LOOKUPS = ("ngram", "corpus")      # drafters that copy (NAME+ngram+corpus: tried in that order before NAME's model)
+
+
 def needs_target(name: str) -> bool:
-    """Whether drafter `name` is built on the target model (layer-skip shares its weights, block its embedding)."""
-    return name.removesuffix("+ngram") in ("layer-skip", "block")
+    """Whether drafter `name` is built on the target model (layer-skip shares its weights, block its embedding, the
+    corpus is found beside the target's shipped block drafter)."""
+    return any(part in ("layer-skip", "block", "corpus") for part in name.split("+"))
 
 
 def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 16384, skip: str | None = None,
                  batch_invariant: bool = True, device: str = "cpu", checkpoint: str | None = None,
                  quant: str | None = None, features: str = "local", vocab: int | None = None,
                  min_conf: float = 0.0) -> Drafter:
-    """'ngram', 'layer-skip' (needs the target model; `skip` like '0-11,18-29'), 'block', or any model name/path;
-    NAME+ngram: prompt lookup where the context repeats, NAME's drafts elsewhere (e.g. 'block+ngram').
+    """'ngram', 'corpus' (the target's own past text: draft/corpus.py), 'layer-skip' (needs the target model; `skip`
+    like '0-11,18-29'), 'block', or any model name/path; NAME+ngram: prompt lookup where the context repeats, NAME's
+    drafts elsewhere (e.g. 'block+ngram'); NAME+ngram+corpus: the corpus where the context has no match.
     batch_invariant: the model drafters' engine option (see Engine); device: where a model drafter runs.
     features: block only, "local" (tap the target in this process) or "wire" (the target sends them: draft server).
     vocab: model drafters (and layer-skip) draft from token ids below it only (draft.model.restrict_vocab); 0/None: all.
     min_conf: model drafters end a greedy / coupled request's block at a slot drafted with less probability."""
-    if name.endswith("+ngram"):   # prompt lookup where the context repeats, that drafter elsewhere (draft/hybrid.py)
+    base, *looks = name.split("+") if name.split("+")[-1] in LOOKUPS else (name, )
+    if looks:                     # lookups where they find something, that drafter elsewhere (draft/hybrid.py)
         from .hybrid import HybridDrafter
-        return HybridDrafter(make_drafter(name.removesuffix("+ngram"), target_model, dtype=dtype, kv_tokens=kv_tokens,
+        if any(lk not in LOOKUPS for lk in looks):
+            raise ValueError(f"{name}: only {' / '.join(LOOKUPS)} may follow a drafter's name")
+        lookups = [lookup_drafter(lk, target_model, checkpoint) for lk in looks]
+        return HybridDrafter(make_drafter(base, target_model, dtype=dtype, kv_tokens=kv_tokens,
                                           skip=skip, batch_invariant=batch_invariant, device=device,
                                           checkpoint=checkpoint, quant=quant, features=features, vocab=vocab,
-                                          min_conf=min_conf))
+                                          min_conf=min_conf), lookups=lookups)
     if name == "ngram":
         from .ngram import NgramDrafter
         return NgramDrafter()
+    if name == "corpus":
+        return corpus_drafter(target_model, checkpoint)
     if name == "block":   # trained drafter on the target's hidden states (block or eagle kind, from its config)
         import torch
 
@@ -72,6 +83,27 @@ def shipped_checkpoint(target_model) -> str:
             return str(d.parent)
     raise SpecdecError("no trained block drafter ships for this target", field="draft_checkpoint",
                        remedy="train one (make train-drafter) and pass its directory with --draft-checkpoint")
+
+
+def lookup_drafter(name: str, target_model=None, checkpoint: str | None = None):
+    """A lookup stage of NAME+ngram+corpus: prompt lookup (suffixes of 2-3 tokens) or the corpus."""
+    if name == "ngram":
+        from .ngram import NgramDrafter
+        return NgramDrafter(max_n=3, min_n=2)
+    return corpus_drafter(target_model, checkpoint)
+
+
+def corpus_drafter(target_model, checkpoint: str | None = None):
+    """The corpus drafter over CHECKPOINT/corpus.safetensors (default: the shipped block drafter's directory)."""
+    from ..errors import SpecdecError
+    from .corpus import Corpus, CorpusDrafter
+    if target_model is None and checkpoint is None:
+        raise ValueError("corpus needs the target model (or a checkpoint directory)")
+    path = Path(checkpoint or shipped_checkpoint(target_model)) / "corpus.safetensors"
+    if not path.is_file():
+        raise SpecdecError(f"no corpus at {path}", field="draft_checkpoint",
+                           remedy="make train-drafter writes one beside the drafter's checkpoint")
+    return CorpusDrafter(Corpus.load(path))
 
 
 def warm_up(drafter: Drafter, vocab_size: int | None = None) -> float | None:

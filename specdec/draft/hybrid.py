@@ -1,5 +1,7 @@
 """Prompt lookup where the context repeats, a model drafter elsewhere: per request and step, the n-gram drafter's
-continuation when the last `min_match` or more tokens occurred earlier in the context, else the model's block.
+continuation when the last `min_match` or more tokens occurred earlier in the context, else the model's block. More
+lookups may follow prompt lookup (`lookups`: NAME+ngram+corpus adds the corpus of the target's own text, corpus.py):
+the first that finds a continuation answers, and the model drafts only where none did.
 
 The two win on different text (measured, README "The trained drafter"): copying code from its prompt, n-gram blocks
 are long and cheap; on chat they are rarely right and the trained block drafter is better. The model drafter is not
@@ -13,18 +15,22 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..speculative.propose import DraftItem, Drafter, Proposal
-from .ngram import NgramDrafter
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
+from .ngram import LookupDrafter, NgramDrafter
 
 
 class HybridDrafter(Drafter):
     looks_up = True
 
-    def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3):
+    def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3,
+                 lookups: list[LookupDrafter] | None = None):
+        """lookups: tried in order, the first non-empty block wins (default: prompt lookup in the context alone)."""
         self.model = model
-        self.lookup = NgramDrafter(max_n=max(min_match, max_match), min_n=min_match)
+        self.lookups = lookups if lookups is not None else [NgramDrafter(max_n=max(min_match, max_match),
+                                                                         min_n=min_match)]
+        self.sessions = SessionTokens()         # committed tokens per session, which every lookup drafts from
         self.seen: dict[str, int] = {}          # per session: the committed length the model drafter last saw
-        self.name = f"{model.name}+ngram"
+        self.name = "+".join([model.name] + [lk.name for lk in self.lookups])
         self.feature_layers, self.feature_window = model.feature_layers, model.feature_window
 
     def __getattr__(self, attr):       # the model drafter's limits, caches and timings (vocab_size, engine, ...)
@@ -37,14 +43,22 @@ class HybridDrafter(Drafter):
         return self.model.feature_width
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
-        out: list[Proposal | None] = self.lookup.propose(items)   # None: lost, the caller resends with context
+        out: list[Proposal | None] = []                  # None: lost, the caller resends with context
         sub, ask = [], []
-        for k, c in enumerate(out):
-            it = items[k]
-            gamma = it.gamma if it.model_gamma is None else min(it.gamma, it.model_gamma)
-            if c is None or c.tokens or gamma <= 0:       # lost, copied, or the planner wants no model block
+        for k, it in enumerate(items):
+            try:
+                toks = self.sessions.sync(it)
+            except SessionLost:
+                out.append(None)
                 continue
-            toks = self.lookup.sessions.tokens[it.sid]
+            for lk in self.lookups:
+                c = lk.block(toks, it)
+                if c.tokens:
+                    break
+            out.append(c)
+            gamma = it.gamma if it.model_gamma is None else min(it.gamma, it.model_gamma)
+            if c.tokens or gamma <= 0:                    # copied, or the planner wants no model block
+                continue
             seen = min(self.seen.get(it.sid, 0), it.committed_len)
             sub.append(dataclasses.replace(it, new_tokens=toks[seen:it.committed_len], gamma=gamma, model_gamma=None))
             ask.append(k)
@@ -58,7 +72,7 @@ class HybridDrafter(Drafter):
 
     def release(self, sid: str) -> None:
         self.seen.pop(sid, None)
-        self.lookup.release(sid)
+        self.sessions.drop(sid)
         self.model.release(sid)
 
     def close(self) -> None:

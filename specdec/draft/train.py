@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -333,6 +334,19 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
     return man
 
 
+def write_corpus(out: Path) -> Path:
+    """The data's token ids by document, for the corpus drafter (draft/corpus.py): out/corpus.safetensors."""
+    from safetensors.torch import load_file
+    from .corpus import save_corpus
+    man = json.loads((out / "data" / "manifest.json").read_text())
+    parts = [load_file(str(out / "data" / s), device="cpu") for s in man["shards"]]
+    if not parts:
+        raise SystemExit(f"no data under {out / 'data'}: run the data step first")
+    dest = out / "corpus.safetensors"
+    save_corpus(dest, torch.cat([p["tokens"] for p in parts]), torch.cat([p["doc_len"] for p in parts]))
+    return dest
+
+
 class Dataset:
     """All shards in memory: flat tokens/top1/feats, with valid anchors split into train / held-out by document."""
 
@@ -531,6 +545,9 @@ def ship(ckpt: Path, model: str) -> Path:
     m = json.loads((ckpt / "metrics.json").read_text())
     m.pop("history", None)
     (dest / "metrics.json").write_text(json.dumps(m, indent=1))
+    corpus = ckpt.parent / "corpus.safetensors"            # the data's tokens, for the corpus drafter
+    if corpus.is_file():
+        shutil.copyfile(corpus, dest / "corpus.safetensors")
     return dest
 
 
@@ -579,7 +596,8 @@ def main(argv=None) -> int:
         man = generate_data(a.model, out, a.tokens, layers=layers, batch=a.gen_batch, max_new=a.max_new,
                             seed=a.seed, max_minutes=a.data_minutes, self_prompts=a.self_prompts, source=a.prompts)
         print(f"data: {man['tokens']} tokens in {man['docs']} documents, {man['gen_seconds']:.0f}s of generation "
-              f"({man['tokens'] / max(man['gen_seconds'], 1e-9):.0f} tok/s) under {out / 'data'}")
+              f"({man['tokens'] / max(man['gen_seconds'], 1e-9):.0f} tok/s) under {out / 'data'}; corpus "
+              f"{write_corpus(out)}")
     if a.what == "ship":
         dest = ship(out / a.kind.split(",")[0], a.model)
         print(f"shipped {out / a.kind.split(',')[0]} -> {dest}")
