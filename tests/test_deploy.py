@@ -239,6 +239,19 @@ def test_compose_commands_and_dockerfile_cmd_parse(clean_env):
     PARSERS[argv[2]](argv[3:])
 
 
+def test_target_lookups_from_flag_or_env(clean_env, capsys):
+    """--lookup / SPECDEC_LOOKUP: none by default, ngram for the bare flag or 1 (its old meaning), a list in order;
+    an unknown lookup is refused when the arguments are read, naming it."""
+    assert target_args()["lookup"] == [] and target_args(["--lookup", "0"])["lookup"] == []
+    assert target_args(["--lookup"])["lookup"] == target_args(["--lookup", "1"])["lookup"] == ["ngram"]
+    assert target_args(["--lookup", "ngram,corpus"])["lookup"] == ["ngram", "corpus"]
+    clean_env.setenv("SPECDEC_LOOKUP", "corpus")
+    assert target_args()["lookup"] == ["corpus"]
+    with pytest.raises(SystemExit):
+        target_args(["--lookup", "ngram,suffix"])
+    assert "'suffix' is not one of ngram, corpus" in capsys.readouterr().err
+
+
 def test_batch_invariant_and_acceptance_defaults(clean_env):
     """Batch invariance is on unless --no-batch-invariant or SPECDEC_BATCH_INVARIANT=0; acceptance defaults to coupled
     (rejection is opt-in), on both servers."""
