@@ -94,14 +94,14 @@ class Corpus:
     def draft(self, ctx: list[int], gamma: int, min_conf: float = 0.0) -> tuple[list[int], list[float]]:
         """Up to gamma tokens extending ctx, each from the longest matching context; stops where none matches or the
         confidence (count / (total + 1)) falls below min_conf."""
-        ctx, out, conf = list(ctx[-self.max_n:]), [], []
+        ctx, out, conf = list(ctx[-self.max_n:]), [], []      # next() reads the last max_n tokens only
         for _ in range(gamma):
             r = self.next(ctx)
             if r is None or r[1] / (r[2] + 1) < min_conf:
                 break
             out.append(r[0])
             conf.append(r[1] / (r[2] + 1))
-            ctx = ctx[1:] + [r[0]] if len(ctx) >= self.max_n else ctx + [r[0]]
+            ctx.append(r[0])
         return out, conf
 
     @classmethod

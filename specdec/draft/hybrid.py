@@ -1,5 +1,5 @@
 """Prompt lookup where the context repeats, a model drafter elsewhere: per request and step, the n-gram drafter's
-continuation when the last `min_match` or more tokens occurred earlier in the context, else the model's block. More
+continuation when the last 2 or 3 tokens occurred earlier in the context, else the model's block. More
 lookups may follow prompt lookup (`lookups`: NAME+ngram+corpus adds the corpus of the target's own text, corpus.py):
 the first that finds a continuation answers, and the model drafts only where none did.
 
@@ -16,18 +16,17 @@ from __future__ import annotations
 import dataclasses
 
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
-from .ngram import LookupDrafter, NgramDrafter
+from .ngram import LookupDrafter
 
 
 class HybridDrafter(Drafter):
     looks_up = True
 
-    def __init__(self, model: Drafter, min_match: int = 2, max_match: int = 3,
-                 lookups: list[LookupDrafter] | None = None):
+    def __init__(self, model: Drafter, lookups: list[LookupDrafter] | None = None):
         """lookups: tried in order, the first non-empty block wins (default: prompt lookup in the context alone)."""
+        from . import lookup_drafter
         self.model = model
-        self.lookups = lookups if lookups is not None else [NgramDrafter(max_n=max(min_match, max_match),
-                                                                         min_n=min_match)]
+        self.lookups = lookups if lookups is not None else [lookup_drafter("ngram")]
         self.sessions = SessionTokens()         # committed tokens per session, which every lookup drafts from
         self.seen: dict[str, int] = {}          # per session: the committed length the model drafter last saw
         self.name = "+".join([model.name] + [lk.name for lk in self.lookups])

@@ -336,14 +336,18 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
 
 def write_corpus(out: Path) -> Path:
     """The data's token ids by document, for the corpus drafter (draft/corpus.py): out/corpus.safetensors."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from .corpus import save_corpus
     man = json.loads((out / "data" / "manifest.json").read_text())
-    parts = [load_file(str(out / "data" / s), device="cpu") for s in man["shards"]]
-    if not parts:
+    if not man["shards"]:
         raise SystemExit(f"no data under {out / 'data'}: run the data step first")
+    tokens, doc_len = [], []
+    for s in man["shards"]:               # the ids alone: a shard's hidden states are ~100 MB it need not read
+        with safe_open(str(out / "data" / s), framework="pt") as f:
+            tokens.append(f.get_tensor("tokens"))
+            doc_len.append(f.get_tensor("doc_len"))
     dest = out / "corpus.safetensors"
-    save_corpus(dest, torch.cat([p["tokens"] for p in parts]), torch.cat([p["doc_len"] for p in parts]))
+    save_corpus(dest, torch.cat(tokens), torch.cat(doc_len))
     return dest
 
 
