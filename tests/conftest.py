@@ -16,6 +16,13 @@ from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 
 
+def pytest_sessionstart(session):
+    # build the C++ kernels (over a minute on a 2-core machine, once per source and CPU) before any test runs, so the
+    # build is not charged to whichever test first loads them, in a subprocess under a timeout
+    from specdec.engine import kernels
+    kernels.available()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     return load("tiny-llama").model          # float64

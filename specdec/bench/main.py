@@ -278,9 +278,10 @@ def add_parsers(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=64)
     b.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens (steadier timing)")
     b.add_argument("--concurrency", type=int, default=1)
-    b.add_argument("--rounds", type=int, default=2,
+    b.add_argument("--rounds", type=int, default=6,
                    help="with --url: the prompts in this many parts, each under every configuration, the order "
-                        "reversed every other part (1: the baseline over all prompts, then each gamma)")
+                        "reversed every other part (1: the baseline over all prompts, then each gamma). 6: with 2, "
+                        "the same served configuration gave 0.86x-1.10x at 16 requests as the VM's speed drifted")
     b.add_argument("--gamma", default="4", help="one or more, comma-separated")
     b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"],
                    help="unset: coupled in process, the server's default with --url")

@@ -45,9 +45,12 @@ def _extra_cflags() -> list[str]:
 
 
 def build_dir() -> Path:
-    """Where the kernels are built: one folder per source, torch version, CPU and flags."""
+    """Where the kernels are built: one folder per source, torch installation, CPU and flags. The installation, not
+    just its version: torch's build file names its headers by path, so two venvs (a checkout and a clean clone's CI
+    run) sharing a folder rebuilt it in turn, each waiting out the other's build."""
     from ..assets import cache_dir
     key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + torch.__version__.encode()
+                         + str(Path(torch.__file__).resolve().parent).encode()
                          + _cpu_flags().encode() + " ".join(_extra_cflags()).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"qdot-{key}"
 
