@@ -44,6 +44,22 @@ def smollm2():
     return load("smollm2-135m")
 
 
+def random_drafter_case(kind: str):
+    """A random bf16 block (or eagle) drafter on tiny-llama and inputs for its forward_train: (target, drafter, feats,
+    next tokens, valid (one short, left-padded context), previous slot tokens)."""
+    from specdec.draft.block import random_drafter_model
+    target = load("tiny-llama", "bfloat16").model
+    plain = random_drafter_model(target, kind=kind, draft_vocab=64, gamma=4, window=8, ffn_dim=96).bfloat16()
+    with torch.no_grad():          # trans starts at zero (a no-op correction): give it weights to multiply
+        plain.trans.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(3, 8, len(plain.cfg.layers) * plain.cfg.dim, generator=g).bfloat16()
+    nxt = torch.randint(0, 64, (3, 8), generator=g)
+    valid = torch.ones(3, 8, dtype=torch.bool)
+    valid[0, :5] = False
+    return target, plain, feats, nxt, valid, torch.randint(0, 64, (3, 4), generator=g)
+
+
 def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

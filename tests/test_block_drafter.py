@@ -1,6 +1,7 @@
 """The trained block drafter (and its EAGLE-style baseline) on float64 tiny models: q is a distribution over the draft
 vocabulary and zero elsewhere; greedy and coupled outputs equal plain decoding token for token; training lowers the
 loss and a resumed run ends bitwise where an uninterrupted one does."""
+import copy
 import time
 
 import pytest
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 from specdec.draft import make_drafter
 from specdec.draft.block import BlockDrafter, load_checkpoint, random_drafter_model
 from specdec.draft.train import first_exchanges, first_user_turns, fit, generate_data, training_prompts
+from specdec.engine import kernels, quant
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.registry import load
@@ -19,7 +21,7 @@ from specdec.speculative.generator import GenRequest, SpeculativeGenerator
 from specdec.speculative.propose import DraftItem
 from specdec.speculative.sampling import SamplingParams
 
-from .conftest import random_prompt
+from .conftest import random_drafter_case, random_prompt
 
 KINDS = ["block", "eagle"]
 
@@ -430,17 +432,42 @@ def test_warm_up_leaves_both_sides_ready_and_no_session(tiny, trained, tmp_path)
     assert warm_up(dead, V) is None
 
 
-def test_block_drafter_runs_in_float32_where_the_cpu_lacks_bf16(trained, monkeypatch):
-    """With a bf16 target the drafter runs in bf16 where the CPU has it natively, else in float32 (a bf16 GEMM without
-    AVX-512 bf16 / AMX costs in proportion to its rows: a 6-slot SmolLM2 draft took 20 ms in bf16, 12 in fp32 on a
-    Zen 3 EPYC). A float64 target keeps its dtype either way."""
-    import specdec.engine.registry as registry
+def test_block_drafter_dtype_follows_the_cpus_bf16(trained, monkeypatch):
+    """With a bf16 target the drafter runs in bf16 where the CPU has it natively, or emulates it with our bf16_linear
+    kernel (every linear then runs it: a 4-slot SmolLM2 draft 9.7 ms in fp32, 4.6 in bf16 on a Zen 2 EPYC), else in
+    float32 (torch's emulated bf16 GEMM costs in proportion to its rows: 20 ms against 12 on a Zen 3). A float64
+    target keeps its dtype."""
     ckpt = str(trained["block"][1])
     for dtype in ("bf16", "fp64"):
         target = load("tiny-llama", dtype).model
-        for native in (True, False):
-            monkeypatch.setattr(registry, "native_bf16", lambda native=native: native)
+        for native, built in ((True, True), (False, True), (False, False)):
+            monkeypatch.setattr(kernels, "bf16_emulated", lambda native=native: not native)
+            monkeypatch.setattr(kernels, "available", lambda built=built: built)
             d = make_drafter("block", target, checkpoint=ckpt)
-            want = torch.float64 if dtype == "fp64" else torch.bfloat16 if native else torch.float32
-            assert d.model.fc.weight.dtype == want, (dtype, native)
+            want = torch.float64 if dtype == "fp64" else torch.bfloat16 if native or built else torch.float32
+            assert d.model.fc.weight.dtype == want, (dtype, native, built)
+            n_kernel = sum(isinstance(m, quant.Linear) for m in d.model.modules())
+            n_linear = 6 + 4 * d.cfg.n_layers          # fc, recur, head, corr, trans, conf; qkv, o, up, down
+            assert n_kernel == (n_linear if want == torch.bfloat16 and not native else 0), (dtype, native, built)
             d.feats.untap()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="our kernels need AVX2 + FMA and a compiler")
+@pytest.mark.parametrize("kind", ["block", "eagle"])
+def test_block_drafter_on_bf16_linear_drafts_as_the_plain_module(kind, monkeypatch):
+    """Where bf16 is emulated (forced here on any CPU) the drafter's linears run bf16_linear: every call goes there,
+    and every slot's logits and confidence are the plain bf16 module's up to float32 sums in another order."""
+    monkeypatch.setattr(kernels, "bf16_emulated", lambda: True)
+    calls = []
+    real = kernels.bf16_linear
+    monkeypatch.setattr(kernels, "bf16_linear", lambda *a: calls.append(1) or real(*a))
+    target, plain, feats, nxt, valid, prev = random_drafter_case(kind)
+    fast = BlockDrafter(copy.deepcopy(plain), target, features="wire").model
+    assert sum(isinstance(m, quant.Linear) for m in fast.modules()) == 6 + 4 * plain.cfg.n_layers
+    assert not any(isinstance(m, quant.Linear) for m in plain.modules())
+    with torch.inference_mode():
+        want, got = plain.forward_train(feats, nxt, valid, prev), fast.forward_train(feats, nxt, valid, prev)
+    assert calls
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and ((a.float() - b.float()).abs() <= 0.02 * a.float().abs() + 0.02).all()
+    assert (want[0].argmax(-1) == got[0].argmax(-1)).float().mean() > 0.9

@@ -12,7 +12,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.loader import to_hf_state_dict
 from specdec.engine.registry import load
-from tests.conftest import random_prompt
+from tests.conftest import random_drafter_case, random_prompt
 
 pytestmark = pytest.mark.skipif(not prepack.available(), reason="no oneDNN bf16 reorder in this torch build or on this CPU (AVX2 only)")
 
@@ -114,21 +114,12 @@ def test_smollm2_prepacked_forward_is_bitwise_the_plain_one(monkeypatch):
 def test_block_drafter_linears_prepacked_give_the_same_drafts(kind, monkeypatch, tmp_path):
     """The drafter's own nn.Linears (prepack_modules, as BlockDrafter does): every slot's logits and confidence are
     bitwise the plain module's, and a checkpoint written from the packed model is the plain one's."""
-    from specdec.draft.block import BlockDrafter, random_drafter_model, save_checkpoint
-    target = load("tiny-llama", "bfloat16").model
-    plain = random_drafter_model(target, kind=kind, draft_vocab=64, gamma=4, window=8, ffn_dim=96).bfloat16()
-    with torch.no_grad():          # trans starts at zero (a no-op correction): give it weights to multiply
-        plain.trans.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    from specdec.draft.block import BlockDrafter, save_checkpoint
+    target, plain, feats, nxt, valid, prev = random_drafter_case(kind)
     packed = BlockDrafter(copy.deepcopy(plain), target, features="wire").model
     # fc, recur, head, corr, trans, conf and each layer's qkv, o, up, down
     assert sum(isinstance(m, prepack.PackedLinear) for m in packed.modules()) == 6 + 4 * plain.cfg.n_layers
     assert not any(isinstance(m, prepack.PackedLinear) for m in plain.modules())
-    g = torch.Generator().manual_seed(0)
-    feats = torch.randn(3, 8, len(plain.cfg.layers) * plain.cfg.dim, generator=g).bfloat16()
-    nxt = torch.randint(0, 64, (3, 8), generator=g)
-    valid = torch.ones(3, 8, dtype=torch.bool)
-    valid[0, :5] = False                                              # a short context, left-padded
-    prev = torch.randint(0, 64, (3, 4), generator=g)
     with torch.inference_mode():
         for a, b in zip(plain.forward_train(feats, nxt, valid, prev), packed.forward_train(feats, nxt, valid, prev)):
             assert torch.equal(a, b)

@@ -46,15 +46,17 @@ def make_drafter(name: str, target_model=None, *, dtype=None, kv_tokens: int = 1
     if name == "block":   # trained drafter on the target's hidden states (block or eagle kind, from its config)
         import torch
 
-        from ..engine.registry import native_bf16
+        from ..engine import kernels
         from .block import BlockDrafter, load_checkpoint
         if target_model is None:
             raise ValueError("block needs the target model")
         checkpoint = checkpoint or shipped_checkpoint(target_model)
         # in the target's dtype where the CPU has bf16 (an AVX-512-bf16 EPYC: 5.3 ms a 6-slot draft for SmolLM2 in bf16,
-        # 13.9 in fp32), else in float32 (a Zen 3 EPYC: 12 ms in fp32, 20 in bf16)
+        # 13.9 in fp32) or emulates it with our bf16_linear (a Zen 2 EPYC, a 4-slot draft: 9.7 ms in fp32, 4.6 in bf16;
+        # 8 requests' 26.1 -> 21.6), else in float32 (torch's emulated bf16 GEMM: a Zen 3, 6 slots 20 ms, fp32 12)
         dt = target_model.embed.weight.dtype
-        if dt == torch.bfloat16 and target_model.embed.weight.device.type == "cpu" and not native_bf16():
+        if dt == torch.bfloat16 and target_model.embed.weight.device.type == "cpu" and kernels.bf16_emulated() \
+                and not kernels.available():
             dt = torch.float32
         return BlockDrafter(load_checkpoint(checkpoint, target_model, dtype=dt),
                             target_model, kv_tokens=kv_tokens, features=features)

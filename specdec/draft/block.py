@@ -38,7 +38,7 @@ from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer, rms_norm, rope, rotary_tables
 from ..engine.prepack import dense, prepack_modules
-from ..engine.quant import GGUFRows, QLinear
+from ..engine.quant import GGUFRows, QLinear, bf16_linear_modules
 from ..speculative.accept import Mode, draft_sample
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
 from ..speculative.sampling import probs
@@ -397,6 +397,7 @@ class BlockDrafter(Drafter):
                  features: str = "local"):
         self.model = model.eval()
         prepack_modules(self.model)        # bf16 linears reordered once for oneDNN, not on every call (prepack.py)
+        bf16_linear_modules(self.model)    # or, where bf16 is emulated, run by the engine's bf16_linear kernel
         self.cfg = model.cfg
         self.name = f"block-{self.cfg.kind}"
         self.V = target.cfg.vocab_size
