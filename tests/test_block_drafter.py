@@ -453,7 +453,7 @@ def test_block_drafter_dtype_follows_the_cpus_bf16(trained, monkeypatch):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="our kernels need AVX2 + FMA and a compiler")
-@pytest.mark.parametrize("kind", ["block", "eagle"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_block_drafter_on_bf16_linear_drafts_as_the_plain_module(kind, monkeypatch):
     """Where bf16 is emulated (forced here on any CPU) the drafter's linears run bf16_linear: every call goes there,
     and every slot's logits and confidence are the plain bf16 module's up to float32 sums in another order."""
