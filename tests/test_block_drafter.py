@@ -11,10 +11,11 @@ from safetensors.torch import load_file
 from specdec.draft import make_drafter
 from specdec.draft.block import BlockDrafter, load_checkpoint, random_drafter_model
 from specdec.draft.train import first_exchanges, first_user_turns, fit, generate_data, training_prompts
-from specdec.engine import kernels, quant
+from specdec.engine import kernels, prepack
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.registry import load
+from specdec.engine.row_tiles import TiledLinear
 from specdec.generate import Request, generate
 from specdec.speculative.accept import Mode
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
@@ -434,9 +435,9 @@ def test_warm_up_leaves_both_sides_ready_and_no_session(tiny, trained, tmp_path)
 
 def test_block_drafter_dtype_follows_the_cpus_bf16(trained, monkeypatch):
     """With a bf16 target the drafter runs in bf16 where the CPU has it natively, or emulates it with our bf16_linear
-    kernel (every linear then runs it: a 4-slot SmolLM2 draft 9.7 ms in fp32, 4.6 in bf16 on a Zen 2 EPYC), else in
-    float32 (torch's emulated bf16 GEMM costs in proportion to its rows: 20 ms against 12 on a Zen 3). A float64
-    target keeps its dtype."""
+    kernel (a 4-slot SmolLM2 draft 9.7 ms in fp32, 4.6 in bf16 on a Zen 2 EPYC), else in float32 (torch's emulated
+    bf16 GEMM costs in proportion to its rows: 20 ms against 12 on a Zen 3). A float64 target keeps its dtype. Every
+    linear runs on the drafter's row tiles whatever the dtype."""
     ckpt = str(trained["block"][1])
     for dtype in ("bf16", "fp64"):
         target = load("tiny-llama", dtype).model
@@ -446,28 +447,87 @@ def test_block_drafter_dtype_follows_the_cpus_bf16(trained, monkeypatch):
             d = make_drafter("block", target, checkpoint=ckpt)
             want = torch.float64 if dtype == "fp64" else torch.bfloat16 if native or built else torch.float32
             assert d.model.fc.weight.dtype == want, (dtype, native, built)
-            n_kernel = sum(isinstance(m, quant.Linear) for m in d.model.modules())
-            n_linear = 6 + 4 * d.cfg.n_layers          # fc, recur, head, corr, trans, conf; qkv, o, up, down
-            assert n_kernel == (n_linear if want == torch.bfloat16 and not native else 0), (dtype, native, built)
+            assert not any(type(m) is torch.nn.Linear for m in d.model.modules())
+            assert sum(isinstance(m, TiledLinear) for m in d.model.modules()) == 6 + 4 * d.cfg.n_layers
             d.feats.untap()
 
 
 @pytest.mark.skipif(not kernels.available(), reason="our kernels need AVX2 + FMA and a compiler")
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_drafter_on_bf16_linear_drafts_as_the_plain_module(kind, monkeypatch):
-    """Where bf16 is emulated (forced here on any CPU) the drafter's linears run bf16_linear: every call goes there,
-    and every slot's logits and confidence are the plain bf16 module's up to float32 sums in another order."""
+    """Where bf16 is emulated (forced here on any CPU; such a CPU has no oneDNN bf16 reorder either) the drafter's
+    linears run bf16_linear: every call goes there, and every slot's logits and confidence are the plain bf16 module's
+    up to float32 sums in another order."""
     monkeypatch.setattr(kernels, "bf16_emulated", lambda: True)
+    monkeypatch.setattr(prepack, "available", lambda: False)
     calls = []
     real = kernels.bf16_linear
     monkeypatch.setattr(kernels, "bf16_linear", lambda *a: calls.append(1) or real(*a))
     target, plain, feats, nxt, valid, prev = random_drafter_case(kind)
     fast = BlockDrafter(copy.deepcopy(plain), target, features="wire").model
-    assert sum(isinstance(m, quant.Linear) for m in fast.modules()) == 6 + 4 * plain.cfg.n_layers
-    assert not any(isinstance(m, quant.Linear) for m in plain.modules())
+    n_linear = sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert n_linear == sum(isinstance(m, TiledLinear) and not prepack.is_prepacked(m.weight) for m in fast.modules())
     with torch.inference_mode():
         want, got = plain.forward_train(feats, nxt, valid, prev), fast.forward_train(feats, nxt, valid, prev)
     assert calls
     for a, b in zip(want, got):
         assert a.shape == b.shape and ((a.float() - b.float()).abs() <= 0.02 * a.float().abs() + 0.02).all()
     assert (want[0].argmax(-1) == got[0].argmax(-1)).float().mean() > 0.9
+
+
+def _draft_alone_and_beside_others(drafter, V: int, seed: int = 3) -> None:
+    """A rejection-sampled request's proposal (2 slots: tokens, confidences, q) alone, then beside 3, 7 and 11 others
+    of other gammas (up to 4) and context lengths: bitwise the same each time."""
+    g = torch.Generator().manual_seed(seed)
+
+    def item(sid, n, gamma, s):
+        ctx = torch.randint(1, V, (n,), generator=g).tolist()
+        feats = torch.randn(n - 1, drafter.feature_width, generator=g).bfloat16().float()
+        return DraftItem(sid, ctx, n, gamma, params=SamplingParams(temperature=0.7, seed=s), mode=Mode.REJECTION,
+                         context=ctx, features=feats)
+
+    me = item("me", 40, 2, 7)
+    drafter.propose([me])
+    alone = drafter.propose([me])[0]
+    assert len(alone.tokens) == 2 and alone.q is not None
+    for n, gammas in ((4, (2,)), (8, (4, 2)), (12, (3, 1, 4))):
+        drafter.release("me")
+        others = [item(f"o{n}-{i}", 5 + 23 * i, gammas[i % len(gammas)], i) for i in range(n - 1)]
+        beside = drafter.propose(others[:n // 2] + [me] + others[n // 2:])[n // 2]
+        assert beside.tokens == alone.tokens and beside.confidence == alone.confidence, (n, gammas)
+        assert torch.equal(beside.q.ids, alone.q.ids) and torch.equal(beside.q.probs, alone.q.probs), (n, gammas)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_requests_draft_is_its_own_whatever_is_drafted_beside_it(kind, trained, tiny):
+    """Rejection-sampled text depends on the drafts' q (it replays exactly given the same proposals), so a request's
+    draft must not depend on the other requests drafted in the same call. Float64 here: the values (when every request
+    had the call's largest gamma, a gamma-4 neighbour's mask rows moved a gamma-2 request's block drafts) and a BLAS
+    whose float64 rows round by row count (plain linears)."""
+    _draft_alone_and_beside_others(make_drafter("block", tiny.model, checkpoint=str(trained[kind][1]),
+                                                features="wire"), tiny.model.cfg.vocab_size)
+
+
+@pytest.mark.slow
+def test_the_shipped_drafters_draft_is_its_own_whatever_is_drafted_beside_it(smollm2):
+    """The same on the shipped SmolLM2 drafter in bf16, where the bits matter too: on a Sapphire Rapids Xeon oneDNN
+    changes kernels above 32 rows, and q's bits changed from 4 requests a call on until its linears ran on row tiles
+    (engine/row_tiles.py, as the engine's own)."""
+    _draft_alone_and_beside_others(make_drafter("block", smollm2.model, features="wire"), smollm2.model.cfg.vocab_size)
+
+
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_trunk_computes_only_the_rows_read_as_the_whole_trunk_does(tiny, n_layers):
+    """The last layer computes only the outputs read (the mask rows; eagle's last row): the same values as running
+    every row and keeping those (float64, up to sums in another order); earlier layers still run every row."""
+    m = random_drafter_model(tiny.model, n_layers=n_layers, gamma=4, window=8, ffn_dim=64).double().eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 12, m.cfg.dim, generator=g, dtype=torch.float64)
+    valid = torch.ones(3, 12, dtype=torch.bool)
+    valid[0, :5] = False
+    with torch.no_grad():
+        for n_mask, n_out in ((4, 4), (0, 1)):
+            whole = m.trunk(x, valid, n_mask)
+            part = m.trunk(x, valid, n_mask, n_out=n_out)
+            assert part.shape == (3, n_out, m.cfg.dim)
+            torch.testing.assert_close(part, whole[:, -n_out:], rtol=1e-12, atol=1e-12)

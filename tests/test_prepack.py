@@ -112,14 +112,15 @@ def test_smollm2_prepacked_forward_is_bitwise_the_plain_one(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["block", "eagle"])
 def test_block_drafter_linears_prepacked_give_the_same_drafts(kind, monkeypatch, tmp_path):
-    """The drafter's own nn.Linears (prepack_modules, as BlockDrafter does): every slot's logits and confidence are
-    bitwise the plain module's, and a checkpoint written from the packed model is the plain one's."""
+    """The drafter's own nn.Linears (row_tiles.tile_linears, as BlockDrafter does): every one prepacked, every slot's
+    logits and confidence bitwise the plain module's, and a checkpoint written from the packed model is the plain
+    one's."""
     from specdec.draft.block import BlockDrafter, save_checkpoint
+    from specdec.engine.row_tiles import TiledLinear
     target, plain, feats, nxt, valid, prev = random_drafter_case(kind)
     packed = BlockDrafter(copy.deepcopy(plain), target, features="wire").model
-    # fc, recur, head, corr, trans, conf and each layer's qkv, o, up, down
-    assert sum(isinstance(m, prepack.PackedLinear) for m in packed.modules()) == 6 + 4 * plain.cfg.n_layers
-    assert not any(isinstance(m, prepack.PackedLinear) for m in plain.modules())
+    n_linear = sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert n_linear == sum(isinstance(m, TiledLinear) and prepack.is_prepacked(m.weight) for m in packed.modules())
     with torch.inference_mode():
         for a, b in zip(plain.forward_train(feats, nxt, valid, prev), packed.forward_train(feats, nxt, valid, prev)):
             assert torch.equal(a, b)

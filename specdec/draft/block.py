@@ -37,8 +37,9 @@ from torch import nn
 from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from ..engine.model import Transformer, rms_norm, rope, rotary_tables
-from ..engine.prepack import dense, prepack_modules
-from ..engine.quant import GGUFRows, QLinear, bf16_linear_modules
+from ..engine.prepack import dense
+from ..engine.quant import GGUFRows, QLinear
+from ..engine.row_tiles import tile_linears
 from ..speculative.accept import Mode, draft_sample
 from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
 from ..speculative.sampling import probs
@@ -84,13 +85,14 @@ class Attn(nn.Module):
         self.qkv = nn.Linear(c.dim, 3 * c.dim, bias=False)
         self.o = nn.Linear(c.dim, c.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, n_out: int):
+        """Every row's key and value; queries and outputs for the last n_out rows only."""
         B, S, D = x.shape
         q, k, v = self.qkv(x).view(B, S, 3, self.nh, self.hd).unbind(2)
         q, k = rope(q.reshape(B * S, self.nh, self.hd), cos, sin), rope(k.reshape(B * S, self.nh, self.hd), cos, sin)
         q, k, v = (t.reshape(B, S, self.nh, self.hd).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.o(y.transpose(1, 2).reshape(B, S, D))
+        y = F.scaled_dot_product_attention(q[:, :, S - n_out:], k, v, attn_mask=mask[:, None, S - n_out:])
+        return self.o(y.transpose(1, 2).reshape(B, n_out, D))
 
 
 class Layer(nn.Module):
@@ -102,8 +104,11 @@ class Layer(nn.Module):
         self.up = nn.Linear(c.dim, 2 * c.ffn_dim, bias=False)
         self.down = nn.Linear(c.ffn_dim, c.dim, bias=False)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.attn(rms_norm(x, self.n1, self.eps), cos, sin, mask)
+    def forward(self, x, cos, sin, mask, n_out: int | None = None):
+        """x [B, S, D] -> the outputs of its last n_out rows (default all): a row's output needs every row's key
+        and value but only its own query, norm and MLP."""
+        n_out = x.shape[1] if n_out is None else n_out
+        x = x[:, x.shape[1] - n_out:] + self.attn(rms_norm(x, self.n1, self.eps), cos, sin, mask, n_out)
         g, u = self.up(rms_norm(x, self.n2, self.eps)).chunk(2, -1)
         return x + self.down(F.silu(g) * u)
 
@@ -163,9 +168,11 @@ class BlockDraftModel(nn.Module):
         f = F.rms_norm(f, (D,), eps=self.cfg.eps).reshape(*feats.shape[:2], K * D)
         return self.fc(f.to(self.fc.weight.dtype)) + self.emb(next_tok)
 
-    def trunk(self, x, valid, n_mask: int = 0):
+    def trunk(self, x, valid, n_mask: int = 0, n_out: int | None = None):
         """x [B, S, D], valid [B, S] bool (False: left padding). Context/drafted rows are causal; mask rows (block)
-        see everything valid. Returns normalised-free outputs [B, S, D]."""
+        see everything valid. Returns the normalised-free outputs of the last n_out rows [B, n_out, D] (default
+        all): the last layer computes only those (the block kind reads its mask rows, eagle its last row; of a
+        20-row SmolLM2 draft, 16 rows were context whose outputs went unread)."""
         B, S, _ = x.shape
         causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
         if n_mask:
@@ -177,8 +184,8 @@ class BlockDraftModel(nn.Module):
         pos = (valid.long().cumsum(1) - 1).clamp(min=0)                # positions count valid rows
         cos = self.cos[pos.reshape(-1)].to(x.dtype)
         sin = self.sin[pos.reshape(-1)].to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, n_out if i == len(self.layers) - 1 else None)
         return x
 
     def slot_states(self, feats, next_tok, valid, gamma: int):
@@ -186,8 +193,8 @@ class BlockDraftModel(nn.Module):
         B = feats.shape[0]
         ctx = self.ctx_rows(feats, next_tok)
         m = (self.mask + self.slot[:gamma]).to(ctx.dtype)[None].expand(B, -1, -1)
-        out = self.trunk(torch.cat([ctx, m], 1), torch.cat([valid, valid.new_ones(B, gamma)], 1), n_mask=gamma)
-        return out[:, -gamma:]
+        return self.trunk(torch.cat([ctx, m], 1), torch.cat([valid, valid.new_ones(B, gamma)], 1), n_mask=gamma,
+                          n_out=gamma)
 
     def logits_conf(self, z):
         """Slot states -> (logits over the draft vocabulary, confidence logit): one matmul for every slot."""
@@ -208,7 +215,7 @@ class BlockDraftModel(nn.Module):
         x, v = self.ctx_rows(feats, next_tok), valid
         outs = []
         for j in range(gamma):
-            h = self.trunk(x, v)[:, -1]
+            h = self.trunk(x, v, n_out=1)[:, -1]
             outs.append(h)
             if j + 1 < gamma:
                 x = torch.cat([x, (self.recur(h) + self.emb(prev[:, j + 1]))[:, None]], 1)
@@ -396,8 +403,9 @@ class BlockDrafter(Drafter):
     def __init__(self, model: BlockDraftModel, target: Transformer, *, tap: bool = True, kv_tokens: int = 8192,
                  features: str = "local"):
         self.model = model.eval()
-        prepack_modules(self.model)        # bf16 linears reordered once for oneDNN, not on every call (prepack.py)
-        bf16_linear_modules(self.model)    # or, where bf16 is emulated, run by the engine's bf16_linear kernel
+        # its linears as the engine's: prepacked once for oneDNN (not reordered every call) or, where bf16 is emulated,
+        # on our bf16_linear; on row tiles, so a request's draft has the same bits whatever else is drafted with it
+        self.row_tiles = tile_linears(self.model)
         self.cfg = model.cfg
         self.name = f"block-{self.cfg.kind}"
         self.V = target.cfg.vocab_size
@@ -447,8 +455,11 @@ class BlockDrafter(Drafter):
             if rows is None:                                           # wire: rows missing -> NEED_CONTEXT
                 continue
             live.append((k, it, toks, gamma, rows))
-        if live:
-            for k, prop in zip([x[0] for x in live], self._draft(live)):
+        # one forward per gamma: a request's rows (window + its gamma mask rows) then have the same shape and see the
+        # same rows whatever else is drafted, so its draft (q, which rejection-sampled text depends on) is its own
+        for gamma in sorted({x[3] for x in live}):
+            group = [x for x in live if x[3] == gamma]
+            for k, prop in zip([x[0] for x in group], self._draft(group)):
                 out[k] = prop
         return out
 
@@ -457,7 +468,7 @@ class BlockDrafter(Drafter):
         import time
         t0 = time.perf_counter()
         c, m = self.cfg, self.model
-        W, B, G = c.window, len(live), max(g for _, _, _, g, _ in live)
+        W, B, G = c.window, len(live), live[0][3]                 # one gamma a call (propose)
         dt = m.fc.weight.dtype
         feats = torch.zeros(B, W, len(c.layers) * c.dim)
         nxt = torch.zeros(B, W, dtype=torch.long)
@@ -483,24 +494,20 @@ class BlockDrafter(Drafter):
             if c.kind == "block":
                 lg, cf = base[:, j] + m.correction(prev), base_cf[:, j]
             else:
-                z = m.trunk(x, v)[:, -1]
+                z = m.trunk(x, v, n_out=1)[:, -1]
                 lg, cf = m.logits_conf(z)
-            lg, cf = lg.double(), torch.sigmoid(cf.double())
-            nxt_prev = prev.clone()
-            for b, (_, it, toks, gamma, _) in enumerate(live):
-                if j >= gamma:
-                    continue
-                pos = len(toks) - 1 + j + 1                            # slot j+1 predicts anchor_pos + j + 1
+            lg, cf = lg.double(), torch.sigmoid(cf.double()).tolist()
+            top = ids[lg.argmax(-1)].tolist()                          # greedy requests' drafts: one call for all
+            for b, (_, it, toks, _, _) in enumerate(live):
                 if it.params.greedy:
-                    x_j = int(ids[lg[b].argmax()])
+                    x_j = top[b]
                 else:   # q lives on the draft vocabulary (zero elsewhere): no [V] row, no hash per vocabulary id
                     q = probs(lg[b][None], it.params)[0]
-                    x_j = draft_sample(q, it.mode, it.params.seed, pos, ids=ids)
+                    x_j = draft_sample(q, it.mode, it.params.seed, len(toks) + j, ids=ids)   # slot j+1's position
                     qs[b].append(q)
                 drafted[b].append(x_j)
-                confs[b].append(float(cf[b]))
-                nxt_prev[b] = x_j
-            prev = nxt_prev
+                confs[b].append(cf[b])
+            prev = torch.tensor([d[-1] for d in drafted])
             if c.kind == "eagle" and j + 1 < G:
                 x = torch.cat([x, (m.recur(z) + m.emb(prev).to(z.dtype))[:, None]], 1)
                 v = torch.cat([v, v.new_ones(B, 1)], 1)

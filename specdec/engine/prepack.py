@@ -19,9 +19,9 @@ from 34.1 to 28.7. Other engines call with any number of rows and need every cou
 those of the unpacked model. A tied embedding stays plain: the lookup needs its rows, and a packed
 copy for the output GEMM costs the embedding's size again (SmolLM2: 57 MB for 0.5-1 ms of a 13-19 ms forward on a
 Zen 5 EPYC, 1 of 31 ms on a Zen 4; Qwen 1.5B: 467 MB). Only bf16 weights on
-CPU are packed (the case measured; float32 and fp16 linears go through other GEMMs). `prepack_modules` does the same
-for modules whose nn.Linears are called directly (the block drafter's: 8 requests' 4-slot draft 6.2 -> 5.1 ms, one
-request 2.4 -> 1.7 ms, on a Zen 5 EPYC).
+CPU are packed (the case measured; float32 and fp16 linears go through other GEMMs). `row_tiles.tile_linears` packs
+the nn.Linears of modules that call them directly (the block drafter's: 8 requests' 4-slot draft 6.2 -> 5.1 ms, one
+request 2.4 -> 1.7 ms, on a Zen 5 EPYC) as the engine packs its own.
 """
 from __future__ import annotations
 
@@ -102,48 +102,26 @@ def _packed(w: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1), requires_grad=False)
 
 
+def pack(w, b: torch.Tensor | None = None, rows: int = UNBOUNDED):
+    """w prepacked where that keeps F.linear's bits on calls of up to `rows` rows (a Parameter; `rows_limit` reads how
+    far it agreed), else w itself."""
+    if not (available() and _keeps_bits(w, b, rows)):
+        return w
+    packed = _packed(w)
+    packed.rows_agreed = _rows_agreeing(w, b)
+    return packed
+
+
 def prepack_linears(model, rows: int = UNBOUNDED) -> int:
     """Pack the block linears and an untied lm_head of `model` in place where it keeps F.linear's bits on calls of up
     to `rows` rows (the packed weight's `rows_limit` then says how far it agreed); idempotent (an engine built again on
     the same model, e.g. a draft's feature engine, finds them packed). Returns how many."""
-    if not available():
-        return 0
     n = 0
     for m in model.linears().values():
-        if m is None:                     # a tied head: the embedding, which stays plain
-            continue
-        b = getattr(m, "bias", None)
-        if _keeps_bits(m.weight, b, rows):
-            m.weight = _packed(m.weight)
-            m.weight.rows_agreed = _rows_agreeing(m.weight, b)
-            n += 1
+        if m is not None and not is_prepacked(m.weight):      # None: a tied head, the embedding, which stays plain
+            m.weight = pack(m.weight, getattr(m, "bias", None), rows)
+            n += is_prepacked(m.weight)
     return n
-
-
-class PackedLinear(nn.Module):
-    """An nn.Linear whose weight is prepacked (any leading dims of x, as nn.Linear): for modules that call their
-    linears themselves rather than through quant.linear (the block drafter's)."""
-
-    def __init__(self, m: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = m.in_features, m.out_features
-        self.weight = _packed(m.weight)
-        self.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return prepacked_linear(x, self.weight, self.bias)
-
-
-def prepack_modules(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` by a PackedLinear where the packed product keeps F.linear's bits (the
-    same check as prepack_linears); for inference only (a packed weight has no gradient). Returns how many."""
-    if not available():
-        return 0
-    swaps = [(parent, name, m) for parent in module.modules() for name, m in parent.named_children()
-             if type(m) is nn.Linear and _keeps_bits(m.weight, m.bias)]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
-    return len(swaps)
 
 
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

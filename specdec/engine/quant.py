@@ -288,31 +288,6 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
-class Linear(nn.Module):
-    """An nn.Linear's weight run by `linear` (x with any leading dims): for modules that call their linears themselves
-    (the block drafter's), so bf16 rows on a CPU that emulates bf16 take bf16_linear as the engine's linears do."""
-
-    def __init__(self, m: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = m.in_features, m.out_features
-        self.weight, self.bias = m.weight, m.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x.reshape(-1, self.in_features), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
-
-
-def bf16_linear_modules(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` whose weight bf16_linear takes (bf16, on a CPU without bf16 arithmetic)
-    by a Linear; for inference (the kernel runs where autograd is off). Returns how many."""
-    if not kernels.available():
-        return 0
-    swaps = [(parent, name, m) for parent in module.modules() for name, m in parent.named_children()
-             if type(m) is nn.Linear and kernels.bf16_linear_takes(m.weight, m.bias)]
-    for parent, name, child in swaps:
-        setattr(parent, name, Linear(child))
-    return len(swaps)
-
-
 def unpack_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """The codes uint8 [N, K] back out of the CPU kernel's packed layout, read through the kernel itself: with one-hot
     rows of x and scale 1 / zero 8 per group, it returns exactly the codes (small integers are exact in any float)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import nn
 
-from . import kernels
+from . import kernels, prepack
 from .quant import BITS, QLinear, linear
 
 PROBE_ROWS = 64
@@ -94,3 +95,33 @@ def probe_row_tiles(weights, max_hi: int = UNBOUNDED) -> RowTiles:
         his.append(_probed[key][1])
     lo, hi = max(los), min(his)
     return RowTiles(lo, hi) if lo <= hi else RowTiles(16, 16)
+
+
+class TiledLinear(nn.Module):
+    """An nn.Linear run as the engine runs its own linears (x with any leading dims): through `linear` (a prepacked
+    weight, or bf16_linear where bf16 is emulated) on calls of `tiles`' rows only. For modules that call their linears
+    themselves (the block drafter's): a row's output then never depends on the rows beside it."""
+
+    def __init__(self, m: nn.Linear, weight, tiles: RowTiles):
+        super().__init__()
+        self.in_features, self.out_features = m.in_features, m.out_features
+        self.weight, self.bias, self.tiles = weight, m.bias, tiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tiles(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def tile_linears(module: nn.Module) -> RowTiles | None:
+    """Replace every nn.Linear inside `module` by a TiledLinear, for inference (a packed weight has no gradient): each
+    weight prepacked where that keeps F.linear's bits within a bounded row window (prepack.py), and one RowTiles
+    window for all of them, as a batch-invariant engine builds its own. Returns the window (None: no linears)."""
+    lins = [(parent, name, m) for parent in module.modules() for name, m in parent.named_children()
+            if type(m) is nn.Linear]
+    if not lins:
+        return None
+    weights = [prepack.pack(m.weight, m.bias, prepack.BOUNDED_ROWS) for _, _, m in lins]
+    tiles = probe_row_tiles(weights, max_hi=min(prepack.rows_limit(w) for w in weights))
+    for (parent, name, m), w in zip(lins, weights):
+        setattr(parent, name, TiledLinear(m, w, tiles))
+    return tiles
