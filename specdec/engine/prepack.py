@@ -118,9 +118,12 @@ def prepack_linears(model, rows: int = UNBOUNDED) -> int:
     the same model, e.g. a draft's feature engine, finds them packed). Returns how many."""
     n = 0
     for m in model.linears().values():
-        if m is not None and not is_prepacked(m.weight):      # None: a tied head, the embedding, which stays plain
-            m.weight = pack(m.weight, getattr(m, "bias", None), rows)
-            n += is_prepacked(m.weight)
+        if m is None:                     # a tied head: the embedding, which stays plain
+            continue
+        w = pack(m.weight, getattr(m, "bias", None), rows)
+        if w is not m.weight:             # assigned only when packed (a QLinear's `weight` is the QLinear itself)
+            m.weight = w
+            n += 1
     return n
 
 
