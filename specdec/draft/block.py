@@ -188,13 +188,15 @@ class BlockDraftModel(nn.Module):
             x = layer(x, cos, sin, mask, n_out if i == len(self.layers) - 1 else None)
         return x
 
-    def slot_states(self, feats, next_tok, valid, gamma: int):
-        """Block kind: [B, gamma, D] slot states from one trunk forward over context + gamma mask rows."""
+    def slot_states(self, feats, next_tok, valid, gamma: int, gammas: torch.Tensor | None = None):
+        """Block kind: [B, gamma, D] slot states from one trunk forward over context + gamma mask rows. gammas [B]:
+        each request's own block length (default gamma): its mask rows past it are padding that no other row sees,
+        so its slots are those of a forward at its own gamma."""
         B = feats.shape[0]
         ctx = self.ctx_rows(feats, next_tok)
         m = (self.mask + self.slot[:gamma]).to(ctx.dtype)[None].expand(B, -1, -1)
-        return self.trunk(torch.cat([ctx, m], 1), torch.cat([valid, valid.new_ones(B, gamma)], 1), n_mask=gamma,
-                          n_out=gamma)
+        slots = valid.new_ones(B, gamma) if gammas is None else torch.arange(gamma) < gammas[:, None]
+        return self.trunk(torch.cat([ctx, m], 1), torch.cat([valid, slots], 1), n_mask=gamma, n_out=gamma)
 
     def logits_conf(self, z):
         """Slot states -> (logits over the draft vocabulary, confidence logit): one matmul for every slot."""
@@ -455,10 +457,14 @@ class BlockDrafter(Drafter):
             if rows is None:                                           # wire: rows missing -> NEED_CONTEXT
                 continue
             live.append((k, it, toks, gamma, rows))
-        # one forward per gamma: a request's rows (window + its gamma mask rows) then have the same shape and see the
-        # same rows whatever else is drafted, so its draft (q, which rejection-sampled text depends on) is its own
-        for gamma in sorted({x[3] for x in live}):
-            group = [x for x in live if x[3] == gamma]
+        # Rejection-sampled text depends on q: such a request is drafted only beside others of its gamma, so its rows
+        # have one shape (window + gamma mask rows) whatever else is drafted, and its draft has the same bits. The
+        # rest share one forward at their largest gamma (each one's mask rows past its own gamma unseen); their
+        # outputs cannot depend on the drafts' bits, and served with adaptive gamma they ask for up to gamma lengths.
+        groups: dict[int, list] = {}
+        for x in live:
+            groups.setdefault(x[3] if x[1].mode is Mode.REJECTION else 0, []).append(x)
+        for group in groups.values():
             for k, prop in zip([x[0] for x in group], self._draft(group)):
                 out[k] = prop
         return out
@@ -468,7 +474,7 @@ class BlockDrafter(Drafter):
         import time
         t0 = time.perf_counter()
         c, m = self.cfg, self.model
-        W, B, G = c.window, len(live), live[0][3]                 # one gamma a call (propose)
+        W, B, G = c.window, len(live), max(g for _, _, _, g, _ in live)
         dt = m.fc.weight.dtype
         feats = torch.zeros(B, W, len(c.layers) * c.dim)
         nxt = torch.zeros(B, W, dtype=torch.long)
@@ -487,7 +493,8 @@ class BlockDrafter(Drafter):
         qs = [[] for _ in live]
         prev = anchors
         if c.kind == "block":
-            base, base_cf = m.logits_conf(m.slot_states(feats, nxt, valid, G))   # every slot in one forward
+            gammas = torch.tensor([g for _, _, _, g, _ in live])
+            base, base_cf = m.logits_conf(m.slot_states(feats, nxt, valid, G, gammas))   # every slot in one forward
         else:
             x, v = m.ctx_rows(feats, nxt), valid
         for j in range(G):
@@ -498,7 +505,9 @@ class BlockDrafter(Drafter):
                 lg, cf = m.logits_conf(z)
             lg, cf = lg.double(), torch.sigmoid(cf.double()).tolist()
             top = ids[lg.argmax(-1)].tolist()                          # greedy requests' drafts: one call for all
-            for b, (_, it, toks, _, _) in enumerate(live):
+            for b, (_, it, toks, gamma, _) in enumerate(live):
+                if j >= gamma:
+                    continue
                 if it.params.greedy:
                     x_j = top[b]
                 else:   # q lives on the draft vocabulary (zero elsewhere): no [V] row, no hash per vocabulary id

@@ -329,7 +329,7 @@ void rope_rows(const T* x, int64_t xs0, int64_t heads, int64_t hd, const T* c, c
       const T* st = s + t * hd;
       T* o = out + i * hd;
       // two halves, the partner half + or - half away: no modulo per element (it kept the loop scalar: 54 us for a
-      // 16-row SmolLM2 verify's q and k, 2.0x the three tensor ops, on a Sapphire Rapids Xeon)
+      // 16-row SmolLM2 verify's q and k, 2.0x the three tensor ops, on an Emerald Rapids Xeon)
       for (int64_t d = 0; d < half; ++d) {
         const T a = static_cast<T>(static_cast<A>(xr[d]) * static_cast<A>(ct[d]));
         const T b = static_cast<T>(static_cast<A>(xr[d + half]) * static_cast<A>(st[d]));
