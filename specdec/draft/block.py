@@ -407,7 +407,7 @@ class BlockDrafter(Drafter):
         self.model = model.eval()
         # its linears as the engine's: prepacked once for oneDNN (not reordered every call) or, where bf16 is emulated,
         # on our bf16_linear; on row tiles, so a request's draft has the same bits whatever else is drafted with it
-        self.row_tiles = tile_linears(self.model)
+        tile_linears(self.model)
         self.cfg = model.cfg
         self.name = f"block-{self.cfg.kind}"
         self.V = target.cfg.vocab_size

@@ -120,8 +120,7 @@ class Engine(PagedSequences):
             L = model.layers[0]
             weights = [L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight, L.mlp.w_down.weight,
                        model.embed.weight if model.lm_head is None else model.lm_head.weight]
-            tiles = probe_row_tiles(weights, max_hi=min(prepack.rows_limit(w) for w in weights))
-            self.row_tiles = tiles
+            self.row_tiles = tiles = probe_row_tiles(weights)      # within the rows packed weights agreed on
             self._eager = (functools.partial(pre_attention, linear=tiles),
                            functools.partial(post_attention, linear=tiles), tiles)
         self.path_counts = {"compiled": 0, "eager": 0}

@@ -80,9 +80,12 @@ def _window(w, trials: int = 2, max_hi: int = UNBOUNDED) -> tuple[int, int] | No
 
 
 def probe_row_tiles(weights, max_hi: int = UNBOUNDED) -> RowTiles:
-    """The widest window every weight agrees on, calls of at most max_hi rows (cached per weight shape and kind,
-    dtype, device and thread count, which is what a BLAS picks its kernels by, and max_hi). Falls back to 16-row
-    tiles: one call shape for every row."""
+    """The widest window every weight agrees on, calls of at most max_hi rows and of no more rows than a prepacked
+    weight agreed with F.linear on (prepack.rows_limit) (cached per weight shape and kind, dtype, device and thread
+    count, which is what a BLAS picks its kernels by, and max_hi). Falls back to 16-row tiles: one call shape for
+    every row."""
+    weights = list(weights)
+    max_hi = min([max_hi] + [prepack.rows_limit(w) for w in weights])
     los, his = [], []
     for w in weights:
         key = (*_key(w), max_hi)
@@ -121,7 +124,7 @@ def tile_linears(module: nn.Module) -> RowTiles | None:
     if not lins:
         return None
     weights = [prepack.pack(m.weight, m.bias, prepack.BOUNDED_ROWS) for _, _, m in lins]
-    tiles = probe_row_tiles(weights, max_hi=min(prepack.rows_limit(w) for w in weights))
+    tiles = probe_row_tiles(weights)
     for (parent, name, m), w in zip(lins, weights):
         setattr(parent, name, TiledLinear(m, w, tiles))
     return tiles
