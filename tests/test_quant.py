@@ -523,7 +523,8 @@ def test_fused_blocks_give_the_eager_bits(monkeypatch, name, mode):
     F.linear) or bf16_linear's (bf16 where bf16 is emulated; forced here on any CPU) runs each block as one C++ call
     (kernels/layer_ops.cpp `block`, the Python path's ops in its order): every row's logits are bitwise the eager
     path's, for prefills of two sequences, then a decode row beside a 5-row verify (ragged), then rows after a
-    rollback (reading the K/V the fused blocks wrote). tiny-qwen2 adds the qkv bias and grouped heads."""
+    rollback (reading the K/V the fused blocks wrote), then a decode row alone (padded to the row tiles' lo).
+    tiny-qwen2 adds the qkv bias and grouped heads."""
     from specdec.engine import kernels
     from specdec.engine import model as M
     from specdec.engine import prepack
@@ -550,13 +551,14 @@ def test_fused_blocks_give_the_eager_bits(monkeypatch, name, mode):
                               SeqInput(b, random_prompt(V, 5, seed=3), start=7, logits="all")]).logits)
         e.truncate(b, 9)
         out.append(e.forward([SeqInput(b, random_prompt(V, 3, seed=4), start=9, logits="all")]).logits)
+        out.append(e.forward([SeqInput(a, [5], start=20, logits="last")]).logits)    # one row (below the tiles' lo)
         return out
 
     fused = run(True)
     packed = all(isinstance(lin, Q.QLinear) or is_prepacked(lin.weight)
                  or kernels.bf16_linear_takes(lin.weight, lin.bias)
                  for name, lin in model.linears().items() if name.startswith("layers."))
-    assert len(taken) == 3 and all((t is not None) == packed for t in taken)   # where it may, the fused path ran
+    assert len(taken) == 4 and all((t is not None) == packed for t in taken)   # where it may, the fused path ran
     if mode != "none":
         assert packed            # qdot or bf16_linear everywhere: always fused on a CPU with our kernels
     eager = run(False)

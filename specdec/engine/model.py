@@ -213,9 +213,10 @@ class Transformer(nn.Module):
         if fused:
             attn = [t for g in layout.attn_groups for t in (g.rows, g.slots, g.lens)]
             eps, scale = self.cfg.norm_eps, 1.0 / math.sqrt(self.cfg.hd)     # attention.attend_kernel's scale
+            lo = linear.lo if isinstance(linear, RowTiles) else 1          # a decode's row padded as RowTiles pads
         for i, block in enumerate(self.layers):
             if fused:        # the same ops as block(...), in one C++ call (kernels/layer_ops.cpp `block`)
-                x = block_kernel(x, *fused[i], eps, cos, sin, kv.k[i], kv.v[i], layout.write_slots, attn, scale)
+                x = block_kernel(x, *fused[i], eps, cos, sin, kv.k[i], kv.v[i], layout.write_slots, attn, scale, lo)
             else:
                 x = block(x, cos, sin, layout, kv.k[i], kv.v[i], (pre, post))
             if i in hidden_layers:
@@ -228,12 +229,13 @@ class Transformer(nn.Module):
 
     def _fused_blocks(self, x, layout, kv, pre, post, linear) -> list | None:
         """Each block's kernels.block arguments where one C++ call per block gives the eager path's bits: every
-        linear qdot's, prepacked for oneDNN or bf16_linear's, never split into row tiles; the batch-invariant kernel
+        linear qdot's, prepacked for oneDNN or bf16_linear's, never split into row tiles (fewer rows than
+        the tiles' lo are padded to it inside, as RowTiles pads them); the batch-invariant kernel
         attention (attention.attend_kernel); the layer kernels usable. Else None."""
         if not (_eager(pre, pre_attention, linear) and _eager(post, post_attention, linear)) \
                 or layout.attn_groups is None:
             return None
-        if linear is not qlinear and not (isinstance(linear, RowTiles) and linear.lo <= x.shape[0] <= linear.hi):
+        if linear is not qlinear and not (isinstance(linear, RowTiles) and x.shape[0] <= linear.hi):
             return None
         if not kernel_attention(x, kv.k[0]):     # bf16 / fp16, a float32 cache, the kernels usable
             return None

@@ -94,13 +94,14 @@ def qdot(x: torch.Tensor, packed: torch.Tensor, bits: int, n: int) -> torch.Tens
     return torch.ops.specdec.qdot(x, packed, bits, n)
 
 
-def block(x, w, meta, eps: float, cos, sin, k_cache, v_cache, write_slots, attn, scale: float) -> torch.Tensor:
+def block(x, w, meta, eps: float, cos, sin, k_cache, v_cache, write_slots, attn, scale: float,
+          lo: int = 1) -> torch.Tensor:
     """One transformer block whose linears are qdot's, prepacked for oneDNN or bf16_linear's, in one call:
     model.Block.forward's ops in its order (the same bits); w, meta: model.Block.block_args(); attn: each attention
-    group's rows, slots and lens."""
+    group's rows, slots and lens; lo: fewer rows are zero-padded to lo for each linear (row_tiles.RowTiles)."""
     _load()
     _qdot_choices()
-    return torch.ops.specdec.block(x, w, meta, eps, cos, sin, k_cache, v_cache, write_slots, attn, scale)
+    return torch.ops.specdec.block(x, w, meta, eps, cos, sin, k_cache, v_cache, write_slots, attn, scale, lo)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

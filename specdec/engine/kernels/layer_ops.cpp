@@ -393,7 +393,19 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, c
 // A linear of kernels.block: kind > 0, qdot's codes of that many bits then the bias (quant.QLinear.mm); kind 0, a
 // weight prepacked for oneDNN with its bias (prepack.prepacked_linear); kind -1, a bf16 weight for bf16_linear with
 // its bias (where bf16 is emulated); b undefined or empty: none. All through the dispatcher, as from Python.
-at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t kind, int64_t n) {
+at::Tensor block_linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t kind, int64_t n);
+
+// Fewer rows than `lo` are zero-padded up to lo rows, as row_tiles.RowTiles pads them (the same call, the same bits):
+// the prepacked kernels round a 1-row call (a GEMV) differently from calls of lo or more rows.
+at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t kind, int64_t n,
+                        int64_t lo) {
+  if (x.size(0) >= lo) return block_linear_rows(x, w, b, kind, n);
+  at::Tensor xp = at::zeros({lo, x.size(1)}, x.options());
+  xp.narrow(0, 0, x.size(0)).copy_(x);
+  return block_linear_rows(xp, w, b, kind, n).narrow(0, 0, x.size(0));
+}
+
+at::Tensor block_linear_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t kind, int64_t n) {
   const bool bias = b.defined() && b.numel();
   if (kind == -1) {
     static auto dense = c10::Dispatcher::singleton().findSchemaOrThrow("specdec::bf16_linear", "")
@@ -423,26 +435,26 @@ at::Tensor block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // of qkv, wo, gate-up and down; attn: each attention group's rows, slots and lens.
 at::Tensor block(const at::Tensor& x, at::TensorList w, at::IntArrayRef meta, double eps, const at::Tensor& cos,
                  const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& write_slots,
-                 at::TensorList attn, double scale) {
+                 at::TensorList attn, double scale, int64_t lo) {
   TORCH_CHECK(w.size() == 7 && meta.size() == 11 && attn.size() % 3 == 0, "block: 7 weights, 11 sizes, 3 per group");
   const int64_t H = meta[0], Hkv = meta[1], hd = meta[2], T = x.size(0);
-  at::Tensor qkv = block_linear(rms_norm(x, w[0], eps), w[1], w[2], meta[3], meta[4]);
+  at::Tensor qkv = block_linear(rms_norm(x, w[0], eps), w[1], w[2], meta[3], meta[4], lo);
   const auto parts = qkv.split_with_sizes({(H + Hkv) * hd, Hkv * hd}, -1);
   const at::Tensor qk = rope(parts[0].view({T, H + Hkv, hd}), cos, sin);
   const at::Tensor q = qk.narrow(1, 0, H), k = qk.narrow(1, H, Hkv), v = parts[1].view({T, Hkv, hd});
   write_kv(k_cache, v_cache, write_slots, k, v);
   at::Tensor o = at::empty({T, H * hd}, x.options());
   for (size_t g = 0; g < attn.size(); g += 3) attend(q, k_cache, v_cache, attn[g], attn[g + 1], attn[g + 2], scale, o);
-  const at::Tensor h = x + block_linear(o, w[3], at::Tensor(), meta[5], meta[6]);
-  const auto gu = block_linear(rms_norm(h, w[4], eps), w[5], at::Tensor(), meta[7], meta[8]).chunk(2, -1);
-  return h + block_linear(at::silu(gu[0]) * gu[1], w[6], at::Tensor(), meta[9], meta[10]);
+  const at::Tensor h = x + block_linear(o, w[3], at::Tensor(), meta[5], meta[6], lo);
+  const auto gu = block_linear(rms_norm(h, w[4], eps), w[5], at::Tensor(), meta[7], meta[8], lo).chunk(2, -1);
+  return h + block_linear(at::silu(gu[0]) * gu[1], w[6], at::Tensor(), meta[9], meta[10], lo);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("block(Tensor x, Tensor[] w, int[] meta, float eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-        "Tensor(b!) v_cache, Tensor write_slots, Tensor[] attn, float scale) -> Tensor");
+        "Tensor(b!) v_cache, Tensor write_slots, Tensor[] attn, float scale, int lo) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor slots, Tensor lens, float scale, Tensor(a!) out) -> ()");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
