@@ -44,6 +44,7 @@ log = logging.getLogger("draft_service")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Drafter"].full_name     # "specdec.v1.Drafter"
 MAX_GAMMA = 64
+MAX_ALTS = 8          # alternatives a slot (ProposeItem.alts)
 MAX_REQUEST_ID = 256
 _PB_MODES = {pb.ACCEPTANCE_MODE_UNSPECIFIED, pb.GREEDY, pb.REJECTION, pb.COUPLED}
 
@@ -95,6 +96,8 @@ def check_item(k: int, m: pb.ProposeItem, vocab_size: int | None, max_len: int |
             "send the seed the target chose at admission")
     if not 1 <= m.gamma <= MAX_GAMMA:
         bad("gamma", f"{m.gamma} is out of range", f"use 1..{MAX_GAMMA}")
+    if m.alts > MAX_ALTS:
+        bad("alts", f"{m.alts} alternatives a slot is out of range", f"use 0..{MAX_ALTS}")
     for field, toks in (("new_tokens", m.new_tokens), ("context", m.context)):
         for t in toks:
             if t < 0 or (vocab_size is not None and t >= vocab_size):

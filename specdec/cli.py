@@ -98,6 +98,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
                         "plain seeded decoding's text; rejection accepts a few %% more drafts but its text depends "
                         "on the proposals")
     p.add_argument("--verify", default="compact", choices=["compact", "padded"], help="verify layout")
+    p.add_argument("--tree-rows", type=int, default=None, help="verify-tree leaf rows a step may add beside the "
+                   "chain (alternatives to the first draft slots; 0: chains only; default: speculative/tree.py's)")
     p.add_argument("--trace", default=None, help="write a JSONL trace (one record per request per verify step)")
 
 
@@ -118,6 +120,7 @@ def cmd_generate(args) -> int:
 def _generate(args, lm) -> int:
     from .engine.tokenizer import StreamDecoder
     from .speculative.generator import GenRequest, SpeculativeGenerator
+    from .speculative.tree import TREE_ROWS
     from .speculative.sampling import SamplingParams
 
     engine = lm.backend
@@ -153,7 +156,8 @@ def _generate(args, lm) -> int:
     try:
         # No drafter: every step verifies the anchor alone, which is plain decoding.
         gen = SpeculativeGenerator(engine, drafter, gamma=args.gamma, mode=args.acceptance, layout=args.verify,
-                                   tokenizer=tok, trace=trace)
+                                   tokenizer=tok, trace=trace,
+                                   tree_rows=TREE_ROWS if args.tree_rows is None else args.tree_rows)
         t0 = time.perf_counter()
         out = gen.generate([GenRequest(prompt, params, args.max_tokens, tok.eos_ids)], on_tokens)[0]
         t1 = time.perf_counter()

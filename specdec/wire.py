@@ -33,13 +33,13 @@ def item_to_pb(it: DraftItem, with_context: bool = False) -> pb.ProposeItem:
     return pb.ProposeItem(request_id=it.sid, new_tokens=it.new_tokens, committed_len=it.committed_len, gamma=it.gamma,
                           sampling=params_to_pb(it.params), mode=MODE_TO_PB[Mode(it.mode)],
                           context=it.context if with_context and it.context is not None else [],
-                          features=features_to_bytes(it.features), features_start=it.features_start)
+                          features=features_to_bytes(it.features), features_start=it.features_start, alts=it.alts)
 
 
 def item_from_pb(m: pb.ProposeItem, feature_width: int = 0) -> DraftItem:
     return DraftItem(m.request_id, list(m.new_tokens), m.committed_len, m.gamma, params_from_pb(m.sampling),
                      mode_from_pb(m.mode, Mode.GREEDY), list(m.context) if len(m.context) else None,
-                     features_from_bytes(m.features, feature_width), m.features_start)
+                     features_from_bytes(m.features, feature_width), m.features_start, alts=m.alts)
 
 
 def features_to_bytes(rows: torch.Tensor | None) -> bytes:
@@ -91,10 +91,16 @@ def dists_from_pb(ds, vocab_size: int) -> torch.Tensor | None:
 
 
 def proposal_to_pb(p: Proposal) -> pb.Proposal:
+    alts = p.alts or []
     return pb.Proposal(status=pb.Proposal.OK, anchor=p.anchor, tokens=p.tokens, confidence=p.confidence,
-                       q=dists_to_pb(p.q), copied=p.copied)
+                       q=dists_to_pb(p.q), copied=p.copied, alt_counts=[len(a) for a in alts],
+                       alt_tokens=[x for a in alts for x, _ in a], alt_probs=[pr for a in alts for _, pr in a])
 
 
 def proposal_from_pb(m: pb.Proposal, vocab_size: int) -> Proposal:
+    alts, k = [], 0
+    for n in m.alt_counts:
+        alts.append(list(zip(m.alt_tokens[k:k + n], m.alt_probs[k:k + n])))
+        k += n
     return Proposal(anchor=m.anchor, tokens=list(m.tokens), confidence=list(m.confidence),
-                    q=dists_from_pb(m.q, vocab_size), copied=m.copied)
+                    q=dists_from_pb(m.q, vocab_size), copied=m.copied, alts=alts or None)

@@ -83,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
                          "the drafter) or rejection (a few %% more accepted drafts; its seeded text depends on the "
                          "proposals, gamma and draft outages)")
     ap.add_argument("--verify", default=env("VERIFY", "compact"), choices=["compact", "padded"])
+    ap.add_argument("--tree-rows", type=int, default=env("TREE_ROWS"),
+                    help="verify-tree leaves: at most this many rows a step adds beside the chains, alternatives to "
+                         "the first draft slots where the planner finds they pay (greedy and coupled requests; "
+                         "0: chains only; default speculative/tree.py's TREE_ROWS)")
     ap.add_argument("--planner", default=env("PLANNER", "cost"), choices=["cost", "full"],
                     help="cost: verify per request what pays, from the drafter's confidences (calibrated online) and "
                          "the verify cost profiled at start-up, with adaptive gamma (greedy and coupled requests; "
@@ -169,7 +173,9 @@ async def _serve(args, lm, engine) -> int:
     metrics = Metrics(lm.name)
     metrics.store_round_trips.set_function(lambda: getattr(store, "round_trips", 0))
     trace = TraceWriter(open(args.trace, "a", buffering=1)) if args.trace else None
+    from specdec.speculative.tree import TREE_ROWS
     cfg = SchedulerConfig(max_running=args.max_running, max_queue=args.max_queue, layout=args.verify,
+                          tree_rows=TREE_ROWS if args.tree_rows is None else int(args.tree_rows),
                           step_delay_s=args.fault_step_delay_ms / 1000, request_timeout_s=args.request_timeout_s)
     if args.instance_id:
         cfg.instance_id = args.instance_id

@@ -86,6 +86,11 @@ def check_proposal(m: pb.Proposal, item: DraftItem, vocab_size: int) -> None:
         raise BadProposal("token id outside the vocabulary")
     if not all(math.isfinite(c) for c in m.confidence):
         raise BadProposal("confidence is not finite")
+    if len(m.alt_counts) > n or sum(m.alt_counts) != len(m.alt_tokens) or len(m.alt_probs) != len(m.alt_tokens):
+        raise BadProposal(f"alternatives for {len(m.alt_counts)} slots of {n}, {len(m.alt_tokens)} tokens, "
+                          f"{len(m.alt_probs)} probabilities")
+    if any(not 0 <= t < vocab_size for t in m.alt_tokens) or not all(0 <= x <= 1 for x in m.alt_probs):
+        raise BadProposal("alternative token outside the vocabulary or probability outside [0, 1]")
     needs_q = Mode(item.mode) is Mode.REJECTION and not item.params.greedy and n > 0
     if needs_q and len(m.q) != n or len(m.q) not in (0, n):
         raise BadProposal(f"{len(m.q)} distributions for {n} tokens")

@@ -84,6 +84,7 @@ class SchedulerConfig:
     max_running: int = 16
     max_queue: int = 64
     layout: str = "compact"
+    tree_rows: int = 0               # verify-tree leaf rows a step may add (speculative/tree.py)
     step_delay_s: float = 0.0        # fault injection (tests): a slow target
     request_timeout_s: float = 600.0  # default per-request deadline (queue + generation); 0 = none
     store_retry_s: tuple[float, float] = (0.1, 1.0)   # backoff (first, max) while the state store is down
@@ -326,7 +327,7 @@ class Scheduler:
         pre = self._mix_inputs(list(mix))
         try:
             info = speculative_step(self.engine, self.drafter, reqs, layout=self.cfg.layout, plan=self.planner,
-                                    prefill=pre)
+                                    prefill=pre, tree_rows=self.cfg.tree_rows)
             return info, [], False
         except BackendDead:        # no rerun can help: the whole backend is gone
             self._undo(reqs, snaps)

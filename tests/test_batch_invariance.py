@@ -328,3 +328,54 @@ def test_stacked_attention_equals_each_sequence_alone(dtype, Hkv):
         assert torch.equal(attend_invariant(q, k, v, groups), attend_invariant_ref(q, k, v, groups))
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_verify_trees_leaves_are_rows_decoded_on_their_path(name, request):
+    """Verify trees (layout.py): a leaf (depth d, token x) beside a chain is bitwise the row plain decoding computes
+    for x after the chain's first d rows, packed with other sequences and their leaves; the chain's rows are unchanged
+    by the leaves; and once a leaf is kept (keep_leaf) the sequence decodes on as if x had been fed."""
+    model = _models(request, name)
+    V = model.cfg.vocab_size
+    g = torch.Generator().manual_seed(7)
+    e = Engine(model, kv_tokens=8192)
+    ref = Engine(model, kv_tokens=8192)
+    pre = [30, 5, 70]
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in pre]
+    chains = [torch.randint(0, V, (n,), generator=g).tolist() for n in (5, 1, 3)]
+    leaves = [[(1, 7), (1, 9), (3, 11), (4, 13)], [], [(2, 17)]]
+    seqs = [e.new_sequence() for _ in prompts]
+    e.prefill(seqs, prompts)
+    out = e.forward([SeqInput(s, c, logits="all", leaves=lv) for s, c, lv in zip(seqs, chains, leaves)])
+    for i, (p, c, lv) in enumerate(zip(prompts, chains, leaves)):
+        rows = out.rows(i)
+        assert rows.shape[0] == len(c) + len(lv)
+        s = ref.new_sequence()
+        ref.prefill([s], [p])
+        assert torch.equal(rows[:len(c)], decode_alone(ref, s, len(p), c)), i
+        for j, (d, x) in enumerate(lv):
+            alone = decode_alone(ref, s, len(p), c[:d] + [x])[-1]
+            assert torch.equal(rows[len(c) + j], alone), (i, d, x)
+        ref.release(s)
+    # the first sequence keeps its depth-3 leaf: positions .. +3 hold c[:3] + [11]; decoding on equals plain decoding
+    p, c = prompts[0], chains[0]
+    e.keep_leaf(seqs[0], len(p) + 5 + 2, len(p) + 3, 11)
+    e.truncate(seqs[0], len(p) + 4)
+    s = ref.new_sequence()
+    ref.prefill([s], [p + c[:3] + [11]])
+    cont = torch.randint(0, V, (3,), generator=g).tolist()
+    assert torch.equal(decode_alone(e, seqs[0], len(p) + 4, cont), decode_alone(ref, s, len(p) + 4, cont))
+
+
+def test_fast_attention_runs_verify_trees_too(tiny_bf16):
+    """Without batch invariance a leaf's row is its path's row up to rounding."""
+    V = tiny_bf16.cfg.vocab_size
+    g = torch.Generator().manual_seed(8)
+    p, c = torch.randint(0, V, (40,), generator=g).tolist(), torch.randint(0, V, (4,), generator=g).tolist()
+    e = Engine(tiny_bf16, kv_tokens=4096, batch_invariant=False)
+    s, t = e.new_sequence(), e.new_sequence()
+    e.prefill([s, t], [p, p])
+    rows = e.forward([SeqInput(s, c, logits="all", leaves=[(2, 5)])]).rows(0)
+    path = e.forward([SeqInput(t, c[:2] + [5], logits="all")]).rows(0)
+    torch.testing.assert_close(rows[-1], path[-1], rtol=0.05, atol=0.05)
+    assert not torch.allclose(rows[-1], rows[2], rtol=0.05, atol=0.05)     # it is not the chain's row

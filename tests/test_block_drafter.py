@@ -190,13 +190,16 @@ def test_greedy_equals_plain_decoding(tiny, trained, kind):
     prompts = _prompts(96)
     ref = _target_only(target, prompts, SamplingParams(), 24)
     drafted = accepted = 0
-    for gamma, layout in ((1, "compact"), (4, "compact"), (4, "padded")):
+    leaves = 0
+    for gamma, layout, tree in ((1, "compact", 0), (4, "compact", 0), (4, "padded", 0), (4, "compact", 16)):
         d = make_drafter("block", target, checkpoint=str(trained[kind][1]))
-        outs = _spec(target, d, prompts, SamplingParams(), 24, gamma=gamma, layout=layout)
+        outs = _spec(target, d, prompts, SamplingParams(), 24, gamma=gamma, layout=layout, tree_rows=tree)
         d.close()
-        assert [o.tokens for o in outs] == ref, (kind, gamma, layout)
+        assert [o.tokens for o in outs] == ref, (kind, gamma, layout, tree)
         drafted += sum(o.stats.drafted for o in outs)
         accepted += sum(o.stats.accepted for o in outs)
+        leaves += sum(o.stats.leaves for o in outs)
+    assert leaves > 0                                 # the tree run verified alternatives (speculative/tree.py)
     # the check is not vacuous: drafts were accepted and rejected (a drafter trained for seconds on a random tiny
     # target accepts only a few per cent; the SmolLM2 figures are in the training metrics, not here)
     assert 0 < accepted < drafted, (accepted, drafted)
@@ -211,7 +214,7 @@ def test_coupled_equals_plain_seeded_decoding(tiny, trained, kind):
         params = SamplingParams(temperature=0.7, seed=seed)
         ref = _target_only(target, prompts, params, 24)
         d = make_drafter("block", target, checkpoint=str(trained[kind][1]))
-        outs = _spec(target, d, prompts, params, 24, gamma=4, mode="coupled")
+        outs = _spec(target, d, prompts, params, 24, gamma=4, mode="coupled", tree_rows=16 * (seed - 1))
         d.close()
         assert [o.tokens for o in outs] == ref, (kind, seed)
         accepted += sum(o.stats.accepted for o in outs)
@@ -313,12 +316,14 @@ def test_served_block_drafter_gets_features_over_grpc(tiny, trained, tmp_path):
         toks = _prompts(96, 1)[0] + [5, 9, 17, 33, 41, 2, 7, 11, 13, 19, 23, 29]
 
         def item(n, new):
-            return DraftItem("s1", toks[n - new:n], n, 4, context=toks[:n])
+            return DraftItem("s1", toks[n - new:n], n, 4, context=toks[:n], alts=2)
 
         a = remote.propose([item(6, 6)])[0]          # first call: the drafter says which layers, then the window
         assert remote.feature_layers and a is not None
         b = local.propose([item(6, 6)])[0]
         assert (a.tokens, a.anchor) == (b.tokens, b.anchor)
+        assert b.alts and [[x for x, _ in s] for s in a.alts] == [[x for x, _ in s] for s in b.alts]  # they travel
+        assert a.alts[0][0][1] == pytest.approx(b.alts[0][0][1], rel=1e-3)   # with their probabilities
         sent = remote.feature_bytes
         assert sent == 5 * width                      # positions 0..4 (the anchor's row is never needed)
         a = remote.propose([item(9, 3)])[0]           # three more committed: only their rows travel
@@ -343,11 +348,13 @@ def test_served_block_drafter_gets_features_over_grpc(tiny, trained, tmp_path):
         ref = _target_only(target, prompts, SamplingParams(), 20)
         remote2 = RemoteDrafter(f"127.0.0.1:{port}", target.cfg.vocab_size, deadline_s=30, target_model=target)
         outs = _spec(target, remote2, prompts, SamplingParams(), 20, gamma=4)
-        remote2.features.untap()
         assert [o.tokens for o in outs] == ref
         assert sum(o.stats.accepted for o in outs) > 0
         # each committed position's row travels at most once (new rows per step, never the window again)
         assert 0 < remote2.feature_bytes <= sum(len(p) + 20 for p in prompts) * width
+        trees = _spec(target, remote2, prompts, SamplingParams(), 20, gamma=4, tree_rows=16)   # leaves asked for
+        remote2.features.untap()
+        assert [o.tokens for o in trees] == ref and sum(o.stats.leaves for o in trees) > 0
     finally:
         srv.channel.close()
         proc.kill()

@@ -168,6 +168,7 @@ def test_unknown_session_needs_context_then_release(model_server, draft_model):
 @pytest.mark.parametrize("change, field", [
     (dict(gamma=0), "items[1].gamma"),
     (dict(gamma=65), "items[1].gamma"),
+    (dict(alts=9), "items[1].alts"),
     (dict(new_tokens=[1, V]), "items[1].new_tokens"),
     (dict(new_tokens=[1, -1]), "items[1].new_tokens"),
     (dict(sampling=pb.SamplingParams(temperature=-1.0)), "items[1].sampling.temperature"),

@@ -125,10 +125,11 @@ def cmd_bench(args) -> int:
         for d in drafters.values():   # warm-up
             run_inprocess(engine, d, prompts[:1], gamma=gammas[0], layout=layouts[0], **{**common, "max_tokens": 4})
         cost = profile_cost(engine) if args.planner == "cost" else None   # SPS table, profiled once
-        configs = [("baseline (speculation off)", None, 1, None, "compact")] + [
-            (f"{dn} gamma={g}" + (f" {lay}" if len(layouts) > 1 else "") +
-             (" +planner" if cost else ""), d, g, CostPlanner(cost) if cost else None, lay)
-            for dn, d in drafters.items() for g in gammas for lay in layouts]
+        trees = [int(t) for t in str(args.tree_rows).split(",")]
+        configs = [("baseline (speculation off)", None, 1, None, "compact", 0)] + [
+            (f"{dn} gamma={g}" + (f" {lay}" if len(layouts) > 1 else "") + (f" tree={t}" if t else "") +
+             (" +planner" if cost else ""), d, g, CostPlanner(cost) if cost else None, lay, t)
+            for dn, d in drafters.items() for g in gammas for lay in layouts for t in trees]
         # Interleaved: each batch of prompts runs under every configuration before the next batch, so drifting
         # machine load (this CPU is shared) hits the baseline and the speculative runs alike.
         acc = {name: ([], [], 0.0) for name, *_ in configs}
@@ -155,9 +156,9 @@ def cmd_bench(args) -> int:
                 p.reset_counts()
         C = args.concurrency
         for b in tqdm(range(0, len(prompts), C), desc="batches", leave=False):
-            for name, d, g, plan, lay in configs:
+            for name, d, g, plan, lay, t in configs:
                 recs, steps, wall = run_inprocess(engine, d, prompts[b:b + C], gamma=g, plan=plan, layout=lay,
-                                                  **common)
+                                                  tree_rows=t, **common)
                 r0, s0, w0 = acc[name]
                 acc[name] = (r0 + recs, s0 + steps, w0 + wall)
             if hf:
@@ -166,7 +167,7 @@ def cmd_bench(args) -> int:
                 p.run(prompts[b:b + C], args.max_tokens)
         base = summarize(*acc[configs[0][0]], gamma=1)
         results[configs[0][0]] = base
-        for name, _, g, _, _ in configs[1:]:
+        for name, _, g, _, _, _ in configs[1:]:
             results[name] = summarize(*acc[name], g, base)
         if hf:
             peer = hf.result()
@@ -287,6 +288,8 @@ def add_parsers(sub) -> None:
                    help="unset: coupled in process, the server's default with --url")
     b.add_argument("--verify", default="compact", help="compact | padded | compact,padded (A/B in one run)")
     b.add_argument("--planner", default="off", choices=["off", "cost"])
+    b.add_argument("--tree-rows", default="0", help="in process: verify-tree leaf rows a step may add (0: chains "
+                   "only); comma-separated values are compared in one run")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--seed", type=int, default=None)

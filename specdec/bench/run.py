@@ -15,12 +15,12 @@ from .report import RequestRecord, StepRecord
 
 def run_inprocess(engine, drafter, prompts: list[list[int]], *, max_tokens: int, concurrency: int,
                   params: SamplingParams, gamma: int, mode: str, layout: str, plan=None, stop_ids=frozenset(),
-                  desc: str = "") -> tuple[list[RequestRecord], list[StepRecord], float]:
+                  desc: str = "", tree_rows: int = 0) -> tuple[list[RequestRecord], list[StepRecord], float]:
     """Static batches of `concurrency` requests through SpeculativeGenerator (drafter None = target-only). Each batch
     starts cold: the prefix caches of the target and of a model drafter are cleared first, as every configuration
     runs the same prompts (interleaved) and a later one would otherwise find them cached."""
     kw = {"plan": plan} if plan is not None else {}
-    gen = SpeculativeGenerator(engine, drafter, gamma=gamma, mode=mode, layout=layout, **kw)
+    gen = SpeculativeGenerator(engine, drafter, gamma=gamma, mode=mode, layout=layout, tree_rows=tree_rows, **kw)
     reqs: list[RequestRecord] = []
     bar = tqdm(total=len(prompts), desc=desc, leave=False, disable=not desc)
     t0 = time.perf_counter()

@@ -276,6 +276,7 @@ class FeatureStore:
         self.rec: dict[object, tuple[list[int], list[torch.Tensor], int]] = {}
         self.own: dict[str, tuple[int, list[int], list[torch.Tensor]]] = {}  # sid -> (seq, tokens, rows)
         self.where: dict[str, object] = {}
+        self.leaf_rows: dict[object, dict[tuple[int, int], torch.Tensor]] = {}  # key -> (position, token) -> row
         self.max_sessions, self.tapped = max_sessions, None
         self.recomputed = 0
 
@@ -301,8 +302,16 @@ class FeatureStore:
                     toks, rows, unknown = [None] * start, [None] * start, start
                 self.rec[key] = (toks[:start] + layout.tokens[s.row0:s.row0 + s.n].tolist(),
                                  rows[:start] + list(feats[s.row0:s.row0 + s.n]), min(unknown, start))
+                # a verify tree's leaves: a kept one takes its chain row's place once committed (_recorded)
+                alt = {pt: r for pt, r in self.leaf_rows.pop(key, {}).items() if pt[0] >= start - 1}
+                for i in range(len(s.leaves)):
+                    r = s.row0 + s.n + i
+                    alt[int(layout.positions[r]), int(layout.tokens[r])] = feats[r]
+                if alt:
+                    self.leaf_rows[key] = alt
                 while len(self.rec) > 4 * self.max_sessions:           # oldest first
-                    self.rec.pop(next(iter(self.rec)))
+                    self.leaf_rows.pop(k := next(iter(self.rec)), None)
+                    self.rec.pop(k)
             return logits, {i: hidden[i] for i in hidden_layers if i in hidden}
 
         target.forward = forward
@@ -321,10 +330,21 @@ class FeatureStore:
         cands = ([key] if key in self.rec else []) + [k for k in self.rec if k != key]
         for k in cands:
             toks, rows, u = self.rec[k]
-            if len(toks) >= n and u <= lo and toks[u:n] == need[u:]:
+            if len(toks) >= n and u <= lo and (toks[u:n] == need[u:] or self._adopt_leaves(k, need, u)):
                 self.where[sid] = k
                 return rows
         return None
+
+    def _adopt_leaves(self, k, need: list[int], u: int) -> bool:
+        """Whether the record matches `need` once the leaves committed in place of its chain rows are put there."""
+        toks, rows, _ = self.rec[k]
+        alt = self.leaf_rows.get(k, {})
+        fix = [(p, alt.get((p, need[p]))) for p in range(u, len(need)) if toks[p] != need[p]]
+        if not fix or any(r is None for _, r in fix):
+            return False
+        for p, r in fix:
+            toks[p], rows[p] = need[p], r
+        return True
 
     def rows(self, sid: str, toks: list[int], n: int) -> torch.Tensor:
         need = toks[:-1]                                               # positions 0 .. anchor-1
@@ -422,6 +442,9 @@ class BlockDrafter(Drafter):
                 self.feats.tap(target)
         self.tokens = SessionTokens()
         self.forward_ms: list[float] = []
+        # items' alternatives (DraftItem.alts, verify-tree leaves) for the first slots only: deeper ones were rarely
+        # kept (under 1% of steps past slot 2, README "Verify trees")
+        self.alt_slots = 2
 
     @property
     def vocab_size(self) -> int:
@@ -491,6 +514,8 @@ class BlockDrafter(Drafter):
         drafted = [[] for _ in live]
         confs = [[] for _ in live]
         qs = [[] for _ in live]
+        alts = [[] for _ in live]
+        A = max((it.alts for _, it, _, _, _ in live if it.mode is not Mode.REJECTION), default=0)
         prev = anchors
         if c.kind == "block":
             gammas = torch.tensor([g for _, _, _, g, _ in live])
@@ -504,7 +529,13 @@ class BlockDrafter(Drafter):
                 z = m.trunk(x, v, n_out=1)[:, -1]
                 lg, cf = m.logits_conf(z)
             lg, cf = lg.double(), torch.sigmoid(cf.double()).tolist()
-            top = ids[lg.argmax(-1)].tolist()                          # greedy requests' drafts: one call for all
+            alt = A > 0 and j < self.alt_slots
+            if alt:                      # the slot's likeliest ids and their draft probabilities, for every request
+                best, at = lg.topk(A + 1, -1)
+                alt_ids, alt_p = ids[at].tolist(), (best - lg.logsumexp(-1, keepdim=True)).exp().tolist()
+                top = [a[0] for a in alt_ids]
+            else:
+                top = ids[lg.argmax(-1)].tolist()                      # greedy requests' drafts: one call for all
             for b, (_, it, toks, gamma, _) in enumerate(live):
                 if j >= gamma:
                     continue
@@ -516,6 +547,8 @@ class BlockDrafter(Drafter):
                     qs[b].append(q)
                 drafted[b].append(x_j)
                 confs[b].append(cf[b])
+                if alt and it.alts and it.mode is not Mode.REJECTION:
+                    alts[b].append([(x, pr) for x, pr in zip(alt_ids[b], alt_p[b]) if x != x_j][:it.alts])
             prev = torch.tensor([d[-1] for d in drafted])
             if c.kind == "eagle" and j + 1 < G:
                 x = torch.cat([x, (m.recur(z) + m.emb(prev).to(z.dtype))[:, None]], 1)
@@ -526,7 +559,7 @@ class BlockDrafter(Drafter):
             if qs[b] and it.mode is Mode.REJECTION:
                 k = len(qs[b])
                 q = SparseRows(ids[None].expand(k, -1).clone(), torch.stack(qs[b]))
-            props.append(Proposal(anchor=toks[-1], tokens=drafted[b], confidence=confs[b], q=q))
+            props.append(Proposal(anchor=toks[-1], tokens=drafted[b], confidence=confs[b], q=q, alts=alts[b] or None))
         self.forward_ms.append((time.perf_counter() - t0) * 1e3)
         return props
 

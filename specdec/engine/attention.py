@@ -100,6 +100,12 @@ def plan_groups(layout, dtype: torch.dtype, device, heads_per_kv: int) -> list[A
             mask.masked_fill_(torch.arange(lp)[None, :] >= lens[i:j, None], float("-inf"))
             buckets.setdefault(lp, []).append((torch.arange(s.row0 + i, s.row0 + j), slots, mask, lens[i:j]))
             i = j
+        for i, read in enumerate(s.leaves):        # a leaf reads its own slot list, padded as its position is
+            n, lp = read.numel(), -(-read.numel() // KEY_BLOCK) * KEY_BLOCK
+            slots = torch.cat([read, read[:1].expand(lp - n)])
+            mask = torch.zeros(1, lp, dtype=acc)
+            mask[:, n:] = float("-inf")
+            buckets.setdefault(lp, []).append((torch.tensor([s.row0 + s.n + i]), slots, mask, torch.tensor([n])))
     groups = []
     for members in buckets.values():
         m = max(r.numel() for r, *_ in members)
@@ -265,4 +271,9 @@ def attend_fast(q, k_cache, v_cache, layout):
         vs = v_cache.index_select(0, s.read_slots).transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
         out[s.row0:s.row0 + s.n] = o[0].transpose(0, 1)
+        for i, read in enumerate(s.leaves):        # a leaf row sees its own slots, all of them
+            r = s.row0 + s.n + i
+            ks, vs = (c.index_select(0, read).transpose(0, 1)[None] for c in (k_cache, v_cache))
+            o = F.scaled_dot_product_attention(q[r:r + 1].transpose(0, 1)[None], ks, vs, enable_gqa=True)
+            out[r:r + 1] = o[0].transpose(0, 1)
     return out.view(q.shape[0], -1)

@@ -69,6 +69,11 @@ class PagedSequences:
     def truncate(self, seq: int, n: int) -> None:
         self.kv.truncate(seq, n)
 
+    verify_leaves = False      # forward() runs verify trees' leaf rows (SeqInput.leaves) and keep_leaf() adopts one
+
+    def keep_leaf(self, seq: int, src: int, dst: int, token: int) -> None:
+        raise NotImplementedError("this backend runs no verify trees")
+
     def has_sequence(self, seq: int) -> bool:
         return seq in self.kv
 
@@ -192,6 +197,18 @@ class Engine(PagedSequences):
         out_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
         return ForwardOutput(logits.to(out_dtype), layout.cu_logits, hidden, layout)
 
+    verify_leaves = True
+
+    def keep_leaf(self, seq: int, src: int, dst: int, token: int) -> None:
+        """Position dst now holds the leaf written at position src (layout.py), token and K/V."""
+        self.kv.copy(seq, src, dst)
+        had = self._written.get(seq)
+        if had is not None:            # the prefix cache's record of what each position holds
+            if dst < len(had):
+                had[dst] = token
+            else:
+                del self._written[seq]
+
     def clear_prefix_cache(self) -> None:
         self.kv.clear_cache()
 
@@ -223,7 +240,7 @@ class Engine(PagedSequences):
     def kernels_for(self, layout: Layout):
         """The tier gate: compiled kernels for a uniform layout whose row count is a tier, else None (eager)."""
         T = layout.tokens.numel()
-        if T not in self.compile_tiers or len({s.n for s in layout.seqs}) != 1:
+        if T not in self.compile_tiers or len({s.n for s in layout.seqs}) != 1 or any(s.leaves for s in layout.seqs):
             return None
         if self._compiled is None:
             self._compiled = (torch.compile(pre_attention, dynamic=False),

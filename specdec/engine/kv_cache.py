@@ -197,6 +197,13 @@ class KVPool:
         del s.pages[keep:]
         s.length = n
 
+    def copy(self, sid: int, src: int, dst: int) -> None:
+        """Every layer's K/V of position src into position dst's slot (a verify tree's accepted leaf takes the
+        place of the chain row it stood in for)."""
+        i, j = (int(x) for x in self.slots(sid, 0, self._seq(sid).length)[[src, dst]])
+        for t in (self.k, self.v):
+            t[:, j] = t[:, i]
+
     def write(self, spans: list[tuple[int, int, int]]) -> None:
         """Make room for writes: each (sid, start, n) truncates to `start` then extends to start + n.
 

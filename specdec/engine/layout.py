@@ -22,6 +22,13 @@ class SeqInput:
     tokens: Sequence[int] | torch.Tensor
     start: int | None = None
     logits: str = "last"          # "last" | "all" | "none"
+    leaves: Sequence[tuple[int, int]] = ()  # (depth, token) rows of a verify tree (below), run after the chain rows
+
+
+# A tree's leaf (depth d, token x) is an alternative to the sequence's new row d (1 <= d < n): it sits at that row's
+# position start + d and sees the sequence's first start + d positions and itself, as if x had been fed there; its
+# K/V are written past the chain (the slots of positions start + n + i), so the chain's stay as they are. It adds one
+# row (with logits when the input asks for all), not a copy of its path.
 
 
 @dataclasses.dataclass
@@ -30,6 +37,8 @@ class SeqRows:
     n: int                        # new rows
     read_slots: torch.Tensor      # [start + n] KV slots of positions 0 .. start+n-1
     seq: int = -1                 # the KV sequence (-1 where unknown: a tensor-parallel worker's decoded layout)
+    leaves: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per leaf row (rows row0 + n + i): the
+    #                                                 slots it reads, its own last
 
     @property
     def mask(self) -> torch.Tensor | None:
@@ -68,21 +77,27 @@ def pack(inputs: list[SeqInput], kv: KVPool, vocab_size: int, max_seq_len: int) 
         if start + t.numel() > max_seq_len:
             raise InvalidRequest(f"{start + t.numel()} tokens exceed the model context of {max_seq_len}",
                                  field="prompt", remedy="shorten the prompt or lower max_tokens")
-        toks.append(t)
-        spans.append((inp.seq, start, t.numel()))
-    kv.write(spans)
+        if any(not 1 <= d < t.numel() or not 0 <= x < vocab_size for d, x in inp.leaves):
+            raise InvalidRequest("a leaf's depth must name a new row after the first and its token be in the "
+                                 "vocabulary", field="leaves")
+        toks.append(torch.cat([t, torch.tensor([x for _, x in inp.leaves], dtype=torch.long)]))
+        spans.append((inp.seq, start, t.numel(), len(inp.leaves)))
+    kv.write([(sid, start, n + m) for sid, start, n, m in spans])
 
     positions, writes, seqs, logit_rows, cu_logits, row0 = [], [], [], [], [0], 0
-    for inp, (sid, start, n) in zip(inputs, spans):
-        read = kv.slots(sid, 0, start + n)
-        positions.append(torch.arange(start, start + n))
+    for inp, (sid, start, n, m) in zip(inputs, spans):
+        read = kv.slots(sid, 0, start + n + m)
+        depth = torch.tensor([d for d, _ in inp.leaves], dtype=torch.long)
+        positions += [torch.arange(start, start + n), start + depth]
         writes.append(read[start:])
-        seqs.append(SeqRows(row0, n, read, sid))
-        rows = {"last": [row0 + n - 1], "all": list(range(row0, row0 + n)), "none": []}[inp.logits]
+        leaves = [torch.cat([read[:start + d], read[start + n + i:start + n + i + 1]]) for i, (d, _) in
+                  enumerate(inp.leaves)]
+        seqs.append(SeqRows(row0, n, read[:start + n], sid, leaves))
+        rows = {"last": [row0 + n - 1], "all": list(range(row0, row0 + n + m)), "none": []}[inp.logits]
         logit_rows += rows
         cu_logits.append(cu_logits[-1] + len(rows))
-        row0 += n
-    lens = torch.tensor([s.n for s in seqs])
+        row0 += n + m
+    lens = torch.tensor([s.n + len(s.leaves) for s in seqs])
     return Layout(tokens=torch.cat(toks), positions=torch.cat(positions), write_slots=torch.cat(writes),
                   cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]), seqs=seqs,
                   logit_rows=torch.tensor(logit_rows, dtype=torch.long), cu_logits=cu_logits)

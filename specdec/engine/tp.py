@@ -398,6 +398,8 @@ class TPEngine(PagedSequences):
         with self._lock:
             if self.dead:
                 raise BackendDead(f"tensor-parallel group is down: {self.dead}")
+            if any(inp.leaves for inp in inputs):
+                raise ValueError("tensor-parallel forwards run no verify trees (verify_leaves is False)")
             layout = pack(inputs, self.kv, self.cfg.vocab_size, self.cfg.max_seq_len)  # refusals: before any message
             self.local.rows_processed += layout.tokens.numel()
             try:

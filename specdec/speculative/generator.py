@@ -73,11 +73,12 @@ class TraceWriter:
 class SpeculativeGenerator:
     def __init__(self, target: Engine, drafter: Drafter | None, *, gamma: int = 4, mode: str | Mode | None = None,
                  layout: str = "compact", tokenizer=None, plan: Planner = plan_full, trace: TextIO | None = None,
-                 caps: Capabilities = EMBEDDED):
+                 caps: Capabilities = EMBEDDED, tree_rows: int = 0):
         # mode None: the capability table's default (coupled: output = plain seeded decoding, whatever the drafter)
         self.target, self.drafter, self.gamma = target, drafter, gamma
         self.mode = Mode(caps.default_acceptance if mode is None else mode)
         self.layout, self.tokenizer, self.plan, self.caps = layout, tokenizer, plan, caps
+        self.tree_rows = tree_rows           # leaf rows a step may add beside the chains (speculative/tree.py)
         self.trace = TraceWriter(trace) if trace else None
         self.steps: list[StepInfo] = []
 
@@ -104,7 +105,7 @@ class SpeculativeGenerator:
             active = list(range(len(reqs)))
             while active:
                 info = speculative_step(self.target, self.drafter, [reqs[i] for i in active], layout=self.layout,
-                                        plan=self.plan)
+                                        plan=self.plan, tree_rows=self.tree_rows)
                 self.steps.append(info)
                 if self.trace:
                     self.trace.write([reqs[i] for i in active], info)

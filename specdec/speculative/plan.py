@@ -30,6 +30,7 @@ from typing import Sequence
 from .accept import Mode
 from .propose import Proposal
 from .step import plan_full
+from .tree import as_leaves, leaf_candidates
 
 
 # -- SPS: verify cost by packed row count ----------------------------------------------------------------------------
@@ -328,6 +329,21 @@ class CostPlanner:
             vlen[i], self.idle[reqs[i].rid] = 2, 0
         return vlen
 
+    def leaves(self, reqs, props: list[Proposal], vlen: list[int], budget: int) -> list[list[tuple[int, int]]]:
+        """Verify-tree leaves (speculative/tree.py), the likeliest first, while each raises the step's expected
+        tokens per ms: a leaf's value (expected extra tokens) against what its row adds to the forward's cost."""
+        probs = [[self.cal.prob(c) for c in p.confidence] for p in props]
+        tokens = sum(1 + sum(gains(ps[:v - 1])) for ps, v in zip(probs, vlen))
+        rows = sum(vlen)
+        fixed = self.fixed_ms if any(p.tokens and not p.copied for p in props) else 0.0
+        chosen = []
+        for c in leaf_candidates(props, vlen, [r.mode for r in reqs], self.cal.prob)[:max(0, budget)]:
+            if (tokens + c[0]) / (fixed + self.cost(rows + 1)) <= tokens / (fixed + self.cost(rows)):
+                break
+            tokens, rows = tokens + c[0], rows + 1
+            chosen.append(c)
+        return as_leaves(chosen, len(props))
+
     def _cheap_row(self, rows: int) -> bool:
         """May exploration add a row to a forward of `rows`? Not where that row costs more than the forward's rows do
         on average: past a linear tile's edge one row costs a third of a step (32 -> 33 rows on a Xeon: 49 -> ~65 ms),
@@ -342,9 +358,12 @@ class CostPlanner:
         self.explore.discard(rid)
 
     def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int],
-                draft_ms: float | None = None, verify_ms: float | None = None) -> None:
+                draft_ms: float | None = None, verify_ms: float | None = None, rows: int | None = None,
+                leaves_kept: int = 0) -> None:
+        """accepted: each chain's accepted drafts (the calibration's evidence); rows: the forward's rows (verify-tree
+        leaves included); leaves_kept: tokens the leaves added (speculative/tree.py)."""
         if verify_ms is not None and self.learn_costs:
-            self.cost.update(sum(vlen), verify_ms)
+            self.cost.update(rows or sum(vlen), verify_ms)
         drafted = max((len(p.tokens) for p in props if not p.copied), default=0)   # by a model
         if draft_ms is not None and self.learn_costs and drafted:
             # drafting is paid every step whatever is verified: it is the plan's fixed cost (learned from steps that
@@ -353,7 +372,7 @@ class CostPlanner:
             self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
         if draft_ms is not None and verify_ms is not None and reqs:
             B = self.batch = len(reqs)
-            rate = (B + sum(accepted)) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
+            rate = (B + sum(accepted) + leaves_kept) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
             copied = any(p.copied and v > 1 for p, v in zip(props, vlen))
             key = (self.batch_class(B), "draft" if drafted else "copy" if copied else "plain")
             # slower smoothing (one step's tokens vary from 1 to gamma + 1), but a plain mean over the first steps: an

@@ -34,6 +34,7 @@ class DraftItem:
     features_start: int = 0
     model_gamma: int | None = None         # a drafter that looks up first (Drafter.looks_up): its model's block
     #                                        where lookup finds nothing (0: none); None = gamma
+    alts: int = 0                          # other likely tokens wanted per slot (Proposal.alts; verify-tree leaves)
 
 
 @dataclasses.dataclass
@@ -57,6 +58,8 @@ class Proposal:
     #                                             None for greedy requests, whose acceptance does not use it
     copied: bool = False                   # from the context (prompt lookup): no model ran to draft it, so
     #                                        the planner neither charges drafting for it nor mixes its acceptance in
+    alts: list[list[tuple[int, float]]] | None = None  # per draft slot, other likely tokens (id, draft
+    #                                        probability), best first: leaves of a verify tree (speculative/tree.py)
 
     def __post_init__(self):
         assert len(self.tokens) == len(self.confidence)

@@ -18,6 +18,7 @@ from ..engine.engine import Engine
 from ..engine.layout import SeqInput
 from .accept import Mode, accept, accept_targets, plain_targets
 from .propose import DraftItem, Drafter, Proposal, SparseRows
+from .tree import ALTS, kept_leaf, plan_leaves
 from .sampling import SamplingParams, probs
 from .verify import VerifyItem, verify
 
@@ -26,7 +27,9 @@ from .verify import VerifyItem, verify
 class RequestStats:
     steps: int = 0
     drafted: int = 0                       # draft tokens verified
-    accepted: int = 0
+    accepted: int = 0                      # chain drafts and kept leaves
+    leaves: int = 0                        # leaves verified (speculative/tree.py)
+    leaves_kept: int = 0
     fallback_steps: int = 0                # steps run as plain decoding because the drafter failed
     drafted_per_pos: list[int] = dataclasses.field(default_factory=list)
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
@@ -113,9 +116,10 @@ def usable(prop: Proposal | None, r: SpecRequest, vocab_size: int) -> Proposal:
 
 
 def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecRequest], *, layout: str = "compact",
-                     plan: Planner = plan_full, prefill: Sequence[SeqInput] = ()) -> StepInfo:
+                     plan: Planner = plan_full, prefill: Sequence[SeqInput] = (), tree_rows: int = 0) -> StepInfo:
     """One step for `reqs`. `prefill`: context rows of requests joining the batch, run in the same forward (a
-    separate forward per admission streamed every weight once more for a few rows)."""
+    separate forward per admission streamed every weight once more for a few rows). `tree_rows`: at most this many
+    leaf rows beside the chains (speculative/tree.py), where the backend runs them and proposals carry alternatives."""
     t0 = time.perf_counter()
     # 1. propose: one batched call; each request sends what was committed since its last call
     block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma), or skip them
@@ -125,8 +129,12 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     looks_up = getattr(drafter, "looks_up", False)
     copies = looks_up and getattr(plan, "copies_wanted", lambda: True)()
     spec = [r for r in reqs if r.rid in blocks and (copies or blocks[r.rid] > 0)]
+    # leaves take KV slots for the step: none where the pool is nearly full (a refused write fails the step)
+    trees = tree_rows > 0 and layout == "compact" and getattr(target, "verify_leaves", False) and \
+        target.kv_free_tokens >= tree_rows + target.kv_page_size * (len(reqs) + 1)
     items = [DraftItem(r.rid, r.committed[r.draft_seen:], r.committed_len, r.gamma if looks_up else blocks[r.rid],
-                       r.params, r.mode, context=r.committed, model_gamma=blocks[r.rid] if looks_up else None)
+                       r.params, r.mode, context=r.committed, model_gamma=blocks[r.rid] if looks_up else None,
+                       alts=ALTS if trees and r.mode is not Mode.REJECTION else 0)
              for r in spec]
     answers: dict[str, Proposal | None] = {}
     draft_ok = True
@@ -150,9 +158,13 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
         if prefill:
             raise ValueError("this backend scores rows remotely: prefill it apart")
         return _step_by_tokens(target, reqs, props, vlen, plan, draft_ok, t0, t1)
-    logits, rows = verify(target, [VerifyItem(r.seq, r.committed_len - 1, r.committed[-1], p.tokens, v)
-                                   for r, p, v in zip(reqs, props, vlen)], layout, width=max(r.gamma for r in reqs) + 1,
-                          prefill=prefill)
+    leaves = [[] for _ in reqs]
+    if trees:
+        leaves = plan.leaves(reqs, props, vlen, tree_rows) if hasattr(plan, "leaves") else \
+            plan_leaves(props, vlen, [r.mode for r in reqs], tree_rows)
+    logits, rows = verify(target, [VerifyItem(r.seq, r.committed_len - 1, r.committed[-1], p.tokens, v, lv)
+                                   for r, p, v, lv in zip(reqs, props, vlen, leaves)], layout,
+                          width=max(r.gamma for r in reqs) + 1, prefill=prefill)
     t2 = time.perf_counter()
 
     # 4. accept, vectorised over the ragged batch
@@ -160,10 +172,11 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
         # greedy and coupled slots pass iff the draft is plain decoding's token there: p only for the rows reached
         # (greedy: an argmax, not [rows, V] float64 one-hot p; 5 rows of Qwen's 151936 ids: ~3 ms)
         drafts = [pr.tokens[:v - 1] for pr, v in zip(props, vlen)]
-        out = accept_targets([plain_targets(lg, r.params, r.committed_len, d)
-                              for lg, r, d in zip(logits, reqs, drafts)], drafts)
-        return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill))
-    p = torch.cat([probs(lg, r.params) for lg, r in zip(logits, reqs)])
+        out = accept_targets([plain_targets(lg[:v], r.params, r.committed_len, d)
+                              for lg, r, d, v in zip(logits, reqs, drafts, vlen)], drafts)
+        kept = _keep_leaves(target, reqs, vlen, logits, drafts, leaves, out)
+        return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill), kept)
+    p = torch.cat([probs(lg[:v], r.params) for lg, r, v in zip(logits, reqs, vlen)])
     dev = p.device                                   # acceptance runs where the logits are
     drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long, device=dev)
     q = None
@@ -175,7 +188,25 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     cu_rows = torch.tensor([0] + vlen).cumsum(0)
     out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                  [r.committed_len for r in reqs])
-    return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill))
+    kept = _keep_leaves(target, reqs, vlen, logits, [pr.tokens[:v - 1] for pr, v in zip(props, vlen)], leaves, out)
+    return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill), kept)
+
+
+def _keep_leaves(target, reqs, vlen, logits, drafts, leaves, out) -> list[bool]:
+    """Where a leaf stood in for the chain's first miss: its K/V into the missed position and plain decoding's token
+    after it (from the leaf's row) onto the request's tokens."""
+    kept = []
+    for i, (r, v, lv) in enumerate(zip(reqs, vlen, leaves)):
+        a = int(out.num_accepted[i])
+        k = kept_leaf(a, out.tokens[i], drafts[i], lv) if lv else None
+        kept.append(k is not None)
+        r.stats.leaves += len(lv)
+        if k is not None:
+            d, x = lv[k]
+            pos = r.committed_len - 1                                  # the anchor's; the leaf's row is written
+            target.keep_leaf(r.seq, pos + v + k, pos + d, x)           # past the chain's v rows (engine/layout.py)
+            out.tokens[i].append(plain_targets(logits[i][v + k][None], r.params, r.committed_len + d, ())[0])
+    return kept
 
 
 def _step_by_tokens(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[int], plan, draft_ok: bool,
@@ -195,11 +226,11 @@ def _step_by_tokens(target, reqs: list[SpecRequest], props: list[Proposal], vlen
 
 
 def _commit(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[int], plan, out, draft_ok: bool,
-            rows: int, t0: float, t1: float, t2: float, mixed: bool = False) -> StepInfo:
+            rows: int, t0: float, t1: float, t2: float, mixed: bool = False, kept: Sequence[bool] = ()) -> StepInfo:
     if hasattr(plan, "observe"):  # online calibration: confidence -> acceptance, and the draft's cost
         # a forward that also prefilled says nothing about what verifying costs
         plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3,
-                     verify_ms=None if mixed else (t2 - t1) * 1e3)
+                     verify_ms=None if mixed else (t2 - t1) * 1e3, rows=rows, leaves_kept=sum(kept))
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
     for i, (r, v) in enumerate(zip(reqs, vlen)):
@@ -217,7 +248,9 @@ def _commit(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[i
         s.steps += 1
         s.fallback_steps += not draft_ok
         s.drafted += v - 1
-        s.accepted += a
+        leaf = bool(kept) and kept[i]
+        s.accepted += a + leaf
+        s.leaves_kept += leaf
         grow = r.gamma - len(s.drafted_per_pos)
         s.drafted_per_pos += [0] * grow
         s.accepted_per_pos += [0] * grow

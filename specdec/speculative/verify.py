@@ -29,12 +29,14 @@ class VerifyItem:
     anchor: int
     drafts: list[int]
     verify_len: int           # 1 .. len(drafts) + 1
+    leaves: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (depth < verify_len, token)
 
 
 def verify(engine: Engine, items: list[VerifyItem], layout: str = "compact", width: int | None = None,
            prefill: Sequence[SeqInput] = ()) -> tuple[list[torch.Tensor], int]:
-    """Target logits [verify_len_i, V] per item and the number of rows the forward ran. `prefill`: other sequences'
-    context rows (no logits) packed into the same forward; a row's bits do not depend on what it is packed with."""
+    """Target logits [verify_len_i + leaves_i, V] per item (the chain's rows, then its leaves' in order) and the
+    number of rows the forward ran. `prefill`: other sequences' context rows (no logits) packed into the same forward;
+    a row's bits do not depend on what it is packed with."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown verify layout {layout!r}")
     inputs = []
@@ -45,6 +47,10 @@ def verify(engine: Engine, items: list[VerifyItem], layout: str = "compact", wid
         else:
             w = min(width or max(len(i.drafts) + 1 for i in items), engine.cfg.max_seq_len - it.anchor_pos)
             rows = ([it.anchor] + it.drafts + [PAD_TOKEN] * w)[:w]
-        inputs.append(SeqInput(it.seq, rows, start=it.anchor_pos, logits="all"))
+        inputs.append(SeqInput(it.seq, rows, start=it.anchor_pos, logits="all", leaves=it.leaves))
     out = engine.forward(inputs + list(prefill))
-    return [out.rows(i)[:it.verify_len] for i, it in enumerate(items)], out.layout.tokens.numel()
+    logits = []
+    for i, (it, inp) in enumerate(zip(items, inputs)):
+        r = out.rows(i)
+        logits.append(torch.cat([r[:it.verify_len], r[len(inp.tokens):]]) if it.leaves else r[:it.verify_len])
+    return logits, out.layout.tokens.numel()
