@@ -443,7 +443,7 @@ class BlockDrafter(Drafter):
         self.tokens = SessionTokens()
         self.forward_ms: list[float] = []
         # items' alternatives (DraftItem.alts, verify-tree leaves) for the first slots only: deeper ones were rarely
-        # kept (under 1% of steps past slot 2, README "Verify trees")
+        # kept (under 2% of the leaves past slot 2, README "Verify trees")
         self.alt_slots = 2
 
     @property
@@ -529,13 +529,11 @@ class BlockDrafter(Drafter):
                 z = m.trunk(x, v, n_out=1)[:, -1]
                 lg, cf = m.logits_conf(z)
             lg, cf = lg.double(), torch.sigmoid(cf.double()).tolist()
+            top = ids[lg.argmax(-1)].tolist()                          # greedy requests' drafts: one call for all
             alt = A > 0 and j < self.alt_slots
             if alt:                      # the slot's likeliest ids and their draft probabilities, for every request
                 best, at = lg.topk(A + 1, -1)
                 alt_ids, alt_p = ids[at].tolist(), (best - lg.logsumexp(-1, keepdim=True)).exp().tolist()
-                top = [a[0] for a in alt_ids]
-            else:
-                top = ids[lg.argmax(-1)].tolist()                      # greedy requests' drafts: one call for all
             for b, (_, it, toks, gamma, _) in enumerate(live):
                 if j >= gamma:
                     continue
