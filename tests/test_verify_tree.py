@@ -123,7 +123,8 @@ def test_trees_need_the_compact_layout_and_a_backend_that_runs_them():
 def test_the_feature_store_takes_a_kept_leafs_row():
     """In process the block drafter reads the target's hidden states from its forwards (draft/block.py FeatureStore):
     once a leaf is kept, its row (not the chain row it replaced) is the committed position's, with nothing recomputed
-    (before, every later draft of the request recomputed its whole context)."""
+    (before, every later draft of the request recomputed its whole context), also when steps whose blocks came from
+    lookup ran in between."""
     from specdec.draft.block import FeatureStore
     from specdec.engine.layout import SeqInput
 
@@ -139,6 +140,13 @@ def test_the_feature_store_takes_a_kept_leafs_row():
         chain, x = [prompt[-1], 7, 8, 9], 11                  # anchor + 3 drafts; leaf 11 in place of draft 8
         e.forward([SeqInput(s, chain, logits="all", leaves=[(2, x), (1, 12)])])
         committed = prompt + [7, x, 5]                         # draft 7 accepted, the leaf kept, 5 after it
+        e.keep_leaf(s, len(prompt) - 1 + 4, len(prompt) + 1, x)
+        e.truncate(s, len(committed) - 1)
+        # the next two steps' blocks came from lookup (the drafter was not asked): two more forwards before it is
+        for block, gained in (([5, 6, 3], [6, 4]), ([4, 2], [2, 8])):
+            e.forward([SeqInput(s, block, logits="all")])
+            committed += gained
+            e.truncate(s, len(committed) - 1)
         got = store.rows("r", committed, 4)
         assert store.recomputed == 0
         fresh = FeatureStore(target, layers)                  # the same rows computed on its own engine

@@ -256,6 +256,9 @@ def _as_sent(rows: torch.Tensor) -> torch.Tensor:
     return rows.to(torch.bfloat16).float()
 
 
+LEAF_ROWS = 256   # verify-tree leaf rows a feature store keeps per sequence until a kept one is asked for
+
+
 class FeatureStore:
     """Target hidden states of `layers` by token prefix. `tap(target)` records every forward the target runs (per KV
     sequence, by position; a forward starting at position s drops what was recorded from s on, as the KV does), so
@@ -302,11 +305,15 @@ class FeatureStore:
                     toks, rows, unknown = [None] * start, [None] * start, start
                 self.rec[key] = (toks[:start] + layout.tokens[s.row0:s.row0 + s.n].tolist(),
                                  rows[:start] + list(feats[s.row0:s.row0 + s.n]), min(unknown, start))
-                # a verify tree's leaves: a kept one takes its chain row's place once committed (_recorded)
-                alt = {pt: r for pt, r in self.leaf_rows.pop(key, {}).items() if pt[0] >= start - 1}
+                # a verify tree's leaves: a kept one takes its chain row's place when next asked for (_recorded),
+                # which may be steps later (a hybrid drafter's lookup answers without asking), so the latest
+                # LEAF_ROWS are kept rather than only the last step's
+                alt = self.leaf_rows.pop(key, {})
                 for i in range(len(s.leaves)):
                     r = s.row0 + s.n + i
                     alt[int(layout.positions[r]), int(layout.tokens[r])] = feats[r]
+                if len(alt) > LEAF_ROWS:
+                    alt = dict(list(alt.items())[-LEAF_ROWS:])
                 if alt:
                     self.leaf_rows[key] = alt
                 while len(self.rec) > 4 * self.max_sessions:           # oldest first

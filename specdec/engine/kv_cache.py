@@ -200,7 +200,7 @@ class KVPool:
     def copy(self, sid: int, src: int, dst: int) -> None:
         """Every layer's K/V of position src into position dst's slot (a verify tree's accepted leaf takes the
         place of the chain row it stood in for)."""
-        i, j = (int(x) for x in self.slots(sid, 0, self._seq(sid).length)[[src, dst]])
+        i, j = (int(self.slots(sid, p, p + 1)) for p in (src, dst))
         for t in (self.k, self.v):
             t[:, j] = t[:, i]
 

@@ -168,27 +168,26 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     t2 = time.perf_counter()
 
     # 4. accept, vectorised over the ragged batch
+    drafts = [pr.tokens[:v - 1] for pr, v in zip(props, vlen)]
     if all(r.mode is not Mode.REJECTION for r in reqs):
         # greedy and coupled slots pass iff the draft is plain decoding's token there: p only for the rows reached
         # (greedy: an argmax, not [rows, V] float64 one-hot p; 5 rows of Qwen's 151936 ids: ~3 ms)
-        drafts = [pr.tokens[:v - 1] for pr, v in zip(props, vlen)]
         out = accept_targets([plain_targets(lg[:v], r.params, r.committed_len, d)
                               for lg, r, d, v in zip(logits, reqs, drafts, vlen)], drafts)
-        kept = _keep_leaves(target, reqs, vlen, logits, drafts, leaves, out)
-        return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill), kept)
-    p = torch.cat([probs(lg[:v], r.params) for lg, r, v in zip(logits, reqs, vlen)])
-    dev = p.device                                   # acceptance runs where the logits are
-    drafts = torch.tensor([t for pr, v in zip(props, vlen) for t in pr.tokens[:v - 1]], dtype=torch.long, device=dev)
-    q = None
-    if any(r.mode is Mode.REJECTION and v > 1 for r, v in zip(reqs, vlen)):
-        # q rows only where rejection checks drafts; other requests (and rows of none) get zero-row fillers
-        q = torch.cat([pr.q_dense(V)[:v - 1].to(dev, torch.float64) if r.mode is Mode.REJECTION and v > 1
-                       else torch.zeros(v - 1, V, dtype=torch.float64, device=dev)
-                       for r, pr, v in zip(reqs, props, vlen)])
-    cu_rows = torch.tensor([0] + vlen).cumsum(0)
-    out = accept(p, q, drafts, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
-                 [r.committed_len for r in reqs])
-    kept = _keep_leaves(target, reqs, vlen, logits, [pr.tokens[:v - 1] for pr, v in zip(props, vlen)], leaves, out)
+    else:
+        p = torch.cat([probs(lg[:v], r.params) for lg, r, v in zip(logits, reqs, vlen)])
+        dev = p.device                                   # acceptance runs where the logits are
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=dev)
+        q = None
+        if any(r.mode is Mode.REJECTION and v > 1 for r, v in zip(reqs, vlen)):
+            # q rows only where rejection checks drafts; other requests (and rows of none) get zero-row fillers
+            q = torch.cat([pr.q_dense(V)[:v - 1].to(dev, torch.float64) if r.mode is Mode.REJECTION and v > 1
+                           else torch.zeros(v - 1, V, dtype=torch.float64, device=dev)
+                           for r, pr, v in zip(reqs, props, vlen)])
+        cu_rows = torch.tensor([0] + vlen).cumsum(0)
+        out = accept(p, q, flat, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
+                     [r.committed_len for r in reqs])
+    kept = _keep_leaves(target, reqs, vlen, logits, drafts, leaves, out)
     return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill), kept)
 
 
