@@ -106,9 +106,8 @@ class Corpus:
 
     @classmethod
     def load(cls, path: str | Path, **kw) -> "Corpus":
-        from safetensors.torch import load_file
-        d = load_file(str(path))
-        return cls(d["tokens"].to(torch.int64).numpy(), d["doc_len"].numpy(), **kw)
+        tokens, doc_len = read_corpus(path)
+        return cls(tokens.numpy(), doc_len.numpy(), **kw)
 
 
 def save_corpus(path: str | Path, tokens, doc_len) -> None:
@@ -117,6 +116,13 @@ def save_corpus(path: str | Path, tokens, doc_len) -> None:
     t = torch.as_tensor(np.asarray(tokens)).to(torch.int64)
     t = t.to(torch.uint16) if t.numel() == 0 or int(t.max()) < 1 << 16 else t.to(torch.int32)
     save_file({"tokens": t.contiguous(), "doc_len": torch.as_tensor(np.asarray(doc_len), dtype=torch.int64)}, str(path))
+
+
+def read_corpus(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """What save_corpus wrote: the token ids (int64) and the document lengths."""
+    from safetensors.torch import load_file
+    d = load_file(str(path))
+    return d["tokens"].to(torch.int64), d["doc_len"]
 
 
 def _best_next(h: np.ndarray, nxt: np.ndarray):

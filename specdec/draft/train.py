@@ -177,14 +177,14 @@ def corpus_documents(tokenizer, path: Path, prompts: list[dict], seed: int = 0) 
     target reads each in one forward, which gives back its hidden states and top-1s without generating it again. A
     document's prompt is the longest of `prompts` it starts with; one that starts with none is an error (the corpus
     was not made from them). Seeded shuffle."""
-    from safetensors.torch import load_file
     from ..bench.prompts import encode
-    d = load_file(str(path))
+    from .corpus import read_corpus
+    tokens, doc_len = read_corpus(path)
     known = {tuple(encode(tokenizer, p)) for p in prompts}
     lens = sorted({len(p) for p in known}, reverse=True)
     out, start = [], 0
-    toks = d["tokens"].to(torch.int64).tolist()
-    for n in d["doc_len"].tolist():
+    toks = tokens.tolist()
+    for n in doc_len.tolist():
         ids, start = toks[start:start + n], start + n
         P = next((k for k in lens if k < n and tuple(ids[:k]) in known), None)
         if P is None:
@@ -516,14 +516,13 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
         model = model.to(dtype).train()
     else:
         vocab_ids = counts.argsort(descending=True, stable=True)[:draft_vocab].sort().values
-    to_draft = torch.full((V,), -100, dtype=torch.long)
-    to_draft[vocab_ids] = torch.arange(draft_vocab)
-    coverage = float(counts[vocab_ids].sum() / counts.sum().clamp(min=1))
-    if init is None:
         cfg = BlockConfig(target_dim=man["dim"], target_vocab=V, layers=tuple(man["layers"]), kind=kind,
                           draft_vocab=draft_vocab, n_layers=n_layers, n_heads=max(1, man["dim"] // 64),
                           ffn_dim=ffn_dim, gamma=gamma, window=window)
         model = BlockDraftModel(cfg).init_from_target(target, vocab_ids).to(dtype).train()
+    to_draft = torch.full((V,), -100, dtype=torch.long)
+    to_draft[vocab_ids] = torch.arange(draft_vocab)
+    coverage = float(counts[vocab_ids].sum() / counts.sum().clamp(min=1))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, history, t_used = 0, [], 0.0
