@@ -77,6 +77,15 @@ def test_served_bench_alternates_the_order_of_its_runs():
     calls.clear()
     bench_rest(runner, args, items, SamplingParams(), [4])
     assert [g for g, _ in calls] == [None, 4] and calls[0][1] == [f"p{i}" for i in range(6)]
+    # a part holds at least --concurrency prompts, else the run never has that many requests in flight
+    args.rounds, args.concurrency = 2, 3
+    calls.clear()
+    bench_rest(runner, args, items, SamplingParams(), [4])
+    assert [len(c) for _, c in calls] == [3, 3, 3, 3]
+    args.concurrency = 4
+    calls.clear()
+    bench_rest(runner, args, items, SamplingParams(), [4])
+    assert [len(c) for _, c in calls] == [6, 6]
 
 
 def test_bench_in_process_json(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -209,7 +210,13 @@ def bench_rest(run_rest, args, items, params, gammas: list[int]) -> dict[str, di
         (f"speculative gamma={g}", {"enabled": True, "gamma": g,
                                     **({"acceptance": args.acceptance} if args.acceptance else {})}, g)
         for g in gammas]
-    parts = max(1, min(args.rounds, len(items)))
+    # a part of fewer prompts than --concurrency never holds that many requests at once (-n 128 in 6 parts ran 32
+    # "concurrent" requests 21 at a time), so the parts are cut to hold at least that many each
+    parts = max(1, min(args.rounds, len(items) // max(1, args.concurrency)))
+    if parts < args.rounds:
+        print(f"bench: {len(items)} prompts at concurrency {args.concurrency} make {parts} part(s) of at least "
+              f"{args.concurrency}, not {args.rounds}: -n {args.rounds * args.concurrency} or more keeps "
+              f"--rounds {args.rounds}", file=sys.stderr)
     acc = {name: ([], [], 0.0) for name, _, _ in configs}
     for k in range(parts):
         chunk = items[k * len(items) // parts:(k + 1) * len(items) // parts]
@@ -282,7 +289,8 @@ def add_parsers(sub) -> None:
     b.add_argument("--rounds", type=int, default=6,
                    help="with --url: the prompts in this many parts, each under every configuration, the order "
                         "reversed every other part (1: the baseline over all prompts, then each gamma). 6: with 2, "
-                        "the same served configuration gave 0.86x-1.10x at 16 requests as the VM's speed drifted")
+                        "the same served configuration gave 0.86x-1.10x at 16 requests as the VM's speed drifted. "
+                        "Fewer where a part would hold fewer prompts than --concurrency")
     b.add_argument("--gamma", default="4", help="one or more, comma-separated")
     b.add_argument("--acceptance", default=None, choices=["rejection", "coupled"],
                    help="unset: coupled in process, the server's default with --url")
