@@ -163,7 +163,10 @@ async def _serve(args, lm, engine) -> int:
         if looks:
             from specdec.draft import lookup_drafter
             from specdec.draft.hybrid import HybridDrafter
-            drafter = HybridDrafter(drafter, lookups=[lookup_drafter(n, getattr(lm, "model", None)) for n in looks])
+            # built on the compute thread: the corpus's table is sorted by torch, and a parallel region entered from
+            # this thread would give it an OpenMP team of its own, which slows every step after it (compute.py)
+            lookups = await compute.run(lambda: [lookup_drafter(n, getattr(lm, "model", None)) for n in looks])
+            drafter = HybridDrafter(drafter, lookups=lookups)
             draft_name = "+".join([draft_name, *looks])
     if drafter is not None:
         from specdec.draft import warm_up

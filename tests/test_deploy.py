@@ -385,6 +385,40 @@ def test_run_local_check_with_redis(tmp_path, redis_url):
     assert "check: ok" in r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb counts the server's OpenMP workers; not on PATH")
+def test_make_runs_target_keeps_one_openmp_team(tmp_path):
+    """make run's stack (SmolLM2, block drafter, ngram+corpus lookups in the target): all the target's torch work on
+    its compute thread, so libgomp holds one team. A second team (the corpus's table sorted on the event loop's thread
+    at start-up) made libgomp stop spinning and every served step ~50% slower (compute.py). gdb counts the workers
+    waiting in gomp_thread_start after a request: one team has at most cores - 1."""
+    import signal
+    import time
+    import urllib.request
+    cmd = [sys.executable, "deploy/run_local.py", "--no-redis", "--log-dir", str(tmp_path / "logs")]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        lines, t0 = [], time.monotonic()
+        while not any("Ctrl-C stops everything" in x for x in lines):
+            line = p.stdout.readline()
+            assert line and time.monotonic() - t0 < 240, "".join(lines)
+            lines.append(line)
+        body = json.dumps({"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}).encode()
+        req = urllib.request.Request("http://127.0.0.1:8000/v1/completions", body,
+                                     {"content-type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 8
+        pid = int(subprocess.run(["pgrep", "-f", "-P", str(p.pid), "target_service"], capture_output=True,
+                                 text=True).stdout.split()[0])
+        bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 3"], capture_output=True,
+                            text=True, timeout=120).stdout
+        workers = bt.count("gomp_thread_start")
+        assert 1 <= workers <= (os.cpu_count() or 2) - 1, workers
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(60)
+
+
 def test_run_local_child_death_stops_the_rest(tmp_path):
     r = launch(tmp_path, "--no-redis", "--model", str(tmp_path / "missing.gguf"), timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
