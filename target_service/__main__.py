@@ -137,19 +137,10 @@ async def serve(args) -> int:
         engine.close()
 
 
-async def _serve(args, lm, engine) -> int:
-    import uvicorn
-
-    from specdec import compute
-    from specdec.speculative.generator import TraceWriter
-    from specdec.state import open_store
-
+def build_drafter(args, lm, engine):
+    """The target's drafter chain and its name for the records: none, in-process n-gram, or the draft server (a
+    RemoteDrafter) behind --lookup's copying drafters. Call it on the compute thread (its torch work stays there)."""
     from .draft_client import RemoteDrafter
-    from .grpc_server import build_grpc_server, set_health
-    from .metrics import Metrics
-    from .rest import create_app
-    from .scheduler import Scheduler, SchedulerConfig
-    from .service import TargetService
 
     drafter, draft_name = None, args.draft_name or args.draft or "none"
     if args.draft == "ngram":
@@ -159,15 +150,32 @@ async def _serve(args, lm, engine) -> int:
         drafter = RemoteDrafter(args.draft, engine.vocab_size, deadline_s=args.draft_deadline_ms / 1000,
                                 token=args.draft_token, tls_ca=args.draft_tls_ca,
                                 target_model=getattr(lm, "model", None))   # hidden states for a block drafter
-        looks = args.lookup
-        if looks:
+        if args.lookup:
             from specdec.draft import lookup_drafter
             from specdec.draft.hybrid import HybridDrafter
-            # built on the compute thread: the corpus's table is sorted by torch, and a parallel region entered from
-            # this thread would give it an OpenMP team of its own, which slows every step after it (compute.py)
-            lookups = await compute.run(lambda: [lookup_drafter(n, getattr(lm, "model", None)) for n in looks])
-            drafter = HybridDrafter(drafter, lookups=lookups)
-            draft_name = "+".join([draft_name, *looks])
+            drafter = HybridDrafter(drafter, lookups=[lookup_drafter(n, getattr(lm, "model", None))
+                                                      for n in args.lookup])
+            draft_name = "+".join([draft_name, *args.lookup])
+    return drafter, draft_name
+
+
+async def _serve(args, lm, engine) -> int:
+    import uvicorn
+
+    from specdec import compute
+    from specdec.speculative.generator import TraceWriter
+    from specdec.state import open_store
+
+    from .grpc_server import build_grpc_server, set_health
+    from .metrics import Metrics
+    from .rest import create_app
+    from .scheduler import Scheduler, SchedulerConfig
+    from .service import TargetService
+
+    # built on the compute thread, like the draft server's drafter: the corpus's table is sorted by torch, and a
+    # parallel region entered from this thread would give it an OpenMP team of its own, which slows every step after
+    # it (compute.py)
+    drafter, draft_name = await compute.run(build_drafter, args, lm, engine)
     if drafter is not None:
         from specdec.draft import warm_up
         ms = await compute.run(warm_up, drafter, engine.vocab_size)
