@@ -22,8 +22,11 @@ continues after the last shard with new documents (the ones running when it stop
 Training (`fit`): examples are anchors a in the generated part of a document; slot j (1..gamma) sees the context rows
 of positions a-W..a-1 and is trained to predict the target's top-1 at position a+j-1 (cross-entropy over the draft
 vocabulary, slot weights 0.8^(j-1)), teacher-forced on the committed tokens; the confidence head learns P(top-1 of
-the drafter == target's top-1) by BCE. Batches are a function of (seed, step), so a resumed run continues exactly as
-an uninterrupted one. Writes DIR/drafter.safetensors, DIR/config.json, DIR/metrics.json, DIR/state.pt (resume).
+the drafter == target's top-1) by BCE. `fit --distill W` adds W x KL(target || drafter) over the draft vocabulary at
+each slot: the target's whole next-token distribution, recomputed from the data's last stored layer (the target's
+blocks after it and its final norm, `teacher_states`), so no logits are stored. Batches are a function of (seed,
+step), so a resumed run continues exactly as an uninterrupted one. Writes DIR/drafter.safetensors, DIR/config.json,
+DIR/metrics.json, DIR/state.pt (resume).
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..engine.model import Transformer, post_attention, pre_attention, rms_norm
+from ..engine.prepack import dense
 from ..engine.registry import native_bf16
 from .block import BlockConfig, BlockDraftModel, default_layers, load_checkpoint, save_checkpoint
 
@@ -445,6 +450,32 @@ class Dataset:
         return feats, nxt, valid, self.tokens[slots], self.top1[slots]
 
 
+@torch.no_grad()
+def teacher_states(target: Transformer, ds: Dataset) -> torch.Tensor:
+    """[N, dim] bf16: the target's final normed hidden state at every stored position, recomputed from the stored
+    output of the data's last layer (the target's blocks after it over each document, causally, then the final
+    norm: one block for the default layers), so that `fit --distill` trains on the target's whole next-token
+    distribution, not only its top-1, without storing logits."""
+    K, D = len(ds.man["layers"]), target.cfg.dim
+    blocks = target.layers[ds.man["layers"][-1] + 1:]
+    dt = target.norm.weight.dtype
+    out = torch.empty(len(ds.tokens), D, dtype=torch.bfloat16)
+    starts = torch.unique(ds.doc_start)
+    for s, e in zip(starts.tolist(), [*starts[1:].tolist(), len(ds.tokens)]):
+        x, L = ds.feats[s:e, (K - 1) * D:].to(dt), e - s
+        cos, sin = target.rope_cos[:L].to(dt), target.rope_sin[:L].to(dt)
+        for b in blocks:
+            a, m = b.attn, b.mlp
+            q, k, v = pre_attention(x, b.attn_norm.weight, b.attn_norm.eps, dense(a.wqkv.weight), a.wqkv.bias, cos,
+                                    sin, a.n_heads, a.n_kv_heads, a.hd)
+            k, v = (t.repeat_interleave(a.n_heads // a.n_kv_heads, 1).transpose(0, 1) for t in (k, v))
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True).transpose(0, 1)
+            x = post_attention(x, o.reshape(L, -1), dense(a.wo.weight), b.mlp_norm.weight, b.mlp_norm.eps,
+                               dense(m.w_gate_up.weight), dense(m.w_down.weight))
+        out[s:e] = rms_norm(x, target.norm.weight, target.norm.eps).to(torch.bfloat16)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ training
 def _lr(step: int, total: int, peak: float, warmup: int) -> float:
     if step < warmup:
@@ -452,7 +483,11 @@ def _lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def loss_fn(model: BlockDraftModel, ds: Dataset, anchors: torch.Tensor, to_draft: torch.Tensor):
+def loss_fn(model: BlockDraftModel, ds: Dataset, anchors: torch.Tensor, to_draft: torch.Tensor,
+            teacher: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+    """Cross-entropy on the target's top-1 (+ 0.1 x the confidence head's BCE). teacher (states [N, dim], head rows
+    [draft_vocab, dim], weight): plus weight x KL(target || drafter) over the draft vocabulary, the target's whole
+    distribution at each slot's position (its top-1 alone says nothing of the runner-up)."""
     feats, nxt, valid, prev, label = ds.batch(anchors)
     dt = model.fc.weight.dtype
     logits, conf = model.forward_train(feats.to(dt), nxt, valid, prev)
@@ -463,7 +498,14 @@ def loss_fn(model: BlockDraftModel, ds: Dataset, anchors: torch.Tensor, to_draft
     ce = (ce.view(-1, G) * w).sum() / ((y >= 0).to(logits.dtype) * w).sum().clamp(min=1)
     hit = (logits.argmax(-1) == y).to(logits.dtype)
     bce = F.binary_cross_entropy_with_logits(conf, hit)
-    return ce + 0.1 * bce, hit, conf
+    loss = ce + 0.1 * bce
+    if teacher is not None:
+        states, head, weight = teacher
+        slots = anchors[:, None] + torch.arange(G)[None]
+        p_log = F.log_softmax(states[slots].to(head.dtype) @ head.T, -1)   # the target's, renormalised over it
+        kl = (p_log.exp() * (p_log - F.log_softmax(logits.to(head.dtype), -1))).sum(-1)
+        loss = loss + weight * (kl * w).sum() / (w.sum() * len(anchors))
+    return loss, hit, conf
 
 
 @torch.no_grad()
@@ -489,11 +531,12 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
         lr: float = 1e-3, gamma: int = 8, window: int = 16, draft_vocab: int = 8192, n_layers: int = 1,
         ffn_dim: int = 1536, seed: int = 0, max_minutes: float | None = None, eval_every: int = 500,
         target=None, dtype=torch.float32, save_every: int = 200, stop_after: int | None = None,
-        ckpt: Path | None = None, autocast: bool = False, init: Path | None = None) -> dict:
+        ckpt: Path | None = None, autocast: bool = False, init: Path | None = None, distill: float = 0.0) -> dict:
     """Train on out/data; checkpoint to `ckpt` (default out/kind). Resumes from ckpt/state.pt when present.
     stop_after: end (with a checkpoint) after this many steps of this call (tests of resume).
     init: fine-tune: start from this checkpoint's weights, shape and draft vocabulary (its layers must be the data's)
-    instead of a fresh drafter."""
+    instead of a fresh drafter. distill: the weight of a KL term to the target's whole next-token distribution
+    (`teacher_states`; 0: top-1 labels only)."""
     from tqdm import tqdm
     ckpt = ckpt or out / kind
     ds = Dataset(out / "data", gamma, window)
@@ -523,6 +566,16 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     to_draft = torch.full((V,), -100, dtype=torch.long)
     to_draft[vocab_ids] = torch.arange(draft_vocab)
     coverage = float(counts[vocab_ids].sum() / counts.sum().clamp(min=1))
+    teacher, teacher_agree = None, None
+    if distill:
+        states = teacher_states(target, ds)
+        lm_head = dense(target.embed.weight if target.lm_head is None else target.lm_head.weight).detach()
+        some = torch.randperm(len(states), generator=torch.Generator().manual_seed(seed))[:20000]
+        with torch.no_grad():
+            agree = (states[some].to(lm_head.dtype) @ lm_head.T).argmax(-1) == ds.top1[some]
+        teacher_agree = float(agree.float().mean())
+        tqdm.write(f"teacher states: top-1 agrees with the data's on {teacher_agree:.4f} of 20,000 positions")
+        teacher = (states, lm_head[vocab_ids].float(), distill)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, history, t_used = 0, [], 0.0
@@ -550,7 +603,7 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
         for grp in opt.param_groups:
             grp["lr"] = _lr(step, steps, lr, warmup=min(100, steps // 10))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and dtype == torch.float32):
-            loss, hit, _ = loss_fn(model, ds, anchors, to_draft)
+            loss, hit, _ = loss_fn(model, ds, anchors, to_draft, teacher)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -576,6 +629,7 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     seconds = t_used + time.perf_counter() - t0
     metrics = {"model": man["model"], "kind": kind, "steps": step, "batch": batch, "lr": lr, "seed": seed,
                **({"init": str(init)} if init is not None else {}),
+               **({"distill": distill, "teacher_top1_agreement": teacher_agree} if distill else {}),
                "train_anchors": len(ds.train), "data_tokens": int(len(ds.tokens)), "data_docs": man["docs"],
                "draft_vocab": draft_vocab, "draft_vocab_coverage": round(coverage, 4),
                "train_seconds": round(seconds, 1), "final_loss_ema": ema,
@@ -647,6 +701,9 @@ def main(argv=None) -> int:
     ap.add_argument("--train-minutes", type=float, default=None, help="stop training (per kind) after this long")
     ap.add_argument("--init", default=None, help="fine-tune: start from this checkpoint directory (e.g. the shipped "
                                                  "specdec/draft/checkpoints/MODEL) instead of a fresh drafter")
+    ap.add_argument("--distill", type=float, default=0.0,
+                    help="weight of a KL term to the target's whole next-token distribution, recomputed from the "
+                         "data's last stored layer (0: top-1 labels only)")
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
@@ -678,7 +735,7 @@ def main(argv=None) -> int:
             m = fit(out, model_name=a.model, kind=kind, steps=a.steps, batch=a.batch, lr=a.lr, gamma=a.gamma,
                     window=a.window, draft_vocab=a.draft_vocab, n_layers=a.draft_layers, seed=a.seed,
                     max_minutes=a.train_minutes, eval_every=a.eval_every, init=Path(a.init) if a.init else None,
-                    autocast=native_bf16() if a.autocast is None else a.autocast)
+                    distill=a.distill, autocast=native_bf16() if a.autocast is None else a.autocast)
             print(f"{kind}: {m['steps']} steps in {m['train_seconds']:.0f}s; held-out top-1 per slot "
                   f"{m['heldout'].get('top1_per_slot')}, greedy AL {m['heldout_greedy'].get('accept_len')}; "
                   f"checkpoint {out / kind}")
