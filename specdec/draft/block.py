@@ -152,7 +152,7 @@ class BlockDraftModel(nn.Module):
         with torch.no_grad():
             emb = target.embed.weight
             self.emb.weight.copy_(emb.dequantize() if isinstance(emb, (QLinear, GGUFRows)) else emb)   # quantized
-            lm = target.embed.weight if target.lm_head is None else target.lm_head.weight
+            lm = target.output_weight
             self.vocab_ids.copy_(vocab_ids)
             self.head.weight.copy_(dense(lm)[vocab_ids])
         return self

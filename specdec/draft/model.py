@@ -56,7 +56,7 @@ def restrict_vocab(model: Transformer, n: int | None) -> Transformer:
     if n < 1:
         raise InvalidRequest(f"draft_vocab must be positive, not {n}", field="draft_vocab",
                              remedy="use 0 for the whole vocabulary or a count of token ids such as 32768")
-    head = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    head = model.output_weight
     view = copy.copy(model)
     view._modules = dict(model._modules)
     if isinstance(head, QLinear):

@@ -569,7 +569,7 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     teacher, teacher_agree = None, None
     if distill:
         states = teacher_states(target, ds)
-        lm_head = dense(target.embed.weight if target.lm_head is None else target.lm_head.weight).detach()
+        lm_head = dense(target.output_weight).detach()
         some = torch.randperm(len(states), generator=torch.Generator().manual_seed(seed))[:20000]
         with torch.no_grad():
             agree = (states[some].to(lm_head.dtype) @ lm_head.T).argmax(-1) == ds.top1[some]

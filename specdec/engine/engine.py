@@ -124,7 +124,7 @@ class Engine(PagedSequences):
         if batch_invariant:   # linears on the row counts where this BLAS gives a row the same bits (row_tiles.py)
             L = model.layers[0]
             weights = [L.attn.wqkv.weight, L.attn.wo.weight, L.mlp.w_gate_up.weight, L.mlp.w_down.weight,
-                       model.embed.weight if model.lm_head is None else model.lm_head.weight]
+                       model.output_weight]
             self.row_tiles = tiles = probe_row_tiles(weights)      # within the rows packed weights agreed on
             self._eager = (functools.partial(pre_attention, linear=tiles),
                            functools.partial(post_attention, linear=tiles), tiles)

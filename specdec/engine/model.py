@@ -190,6 +190,11 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    @property
+    def output_weight(self):
+        """The output head's weight: the embedding's where they are tied (no lm_head)."""
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
     def linears(self) -> dict[str, nn.Module | None]:
         """The linear layers by module name: every block's four, and the output head ("lm_head": None when tied)."""
         out = {}
@@ -224,7 +229,7 @@ class Transformer(nn.Module):
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)
         x = self.norm(x)
-        logits = linear(x, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        logits = linear(x, self.output_weight)
         return logits, hidden
 
     def _fused_blocks(self, x, layout, kv, pre, post, linear) -> list | None:

@@ -273,7 +273,7 @@ class _Rank:
         if R == 0:
             return (x.new_zeros(0, 0) if s.rank == 0 else None), hidden
         x = m.norm(x.index_select(0, layout.logit_rows.to(dev)))
-        part = linear(x, m.embed.weight if m.lm_head is None else m.lm_head.weight)
+        part = linear(x, m.output_weight)
         pad = part.new_zeros(R, s.vocab_max)
         pad[:, :part.shape[1]] = part
         self.wire_bytes += (s.world - 1) * pad.numel() * pad.element_size()
