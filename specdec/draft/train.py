@@ -568,14 +568,13 @@ def fit(out: Path, *, model_name: str = "smollm2-135m", kind: str = "block", ste
     coverage = float(counts[vocab_ids].sum() / counts.sum().clamp(min=1))
     teacher, teacher_agree = None, None
     if distill:
-        states = teacher_states(target, ds)
-        lm_head = dense(target.output_weight).detach()
-        some = torch.randperm(len(states), generator=torch.Generator().manual_seed(seed))[:20000]
-        with torch.no_grad():
+        with torch.no_grad():                                         # the teacher is a constant of training
+            states, lm_head = teacher_states(target, ds), dense(target.output_weight)
+            some = torch.randperm(len(states), generator=torch.Generator().manual_seed(seed))[:20000]
             agree = (states[some].to(lm_head.dtype) @ lm_head.T).argmax(-1) == ds.top1[some]
+            teacher = (states, lm_head[vocab_ids].float(), distill)
         teacher_agree = float(agree.float().mean())
         tqdm.write(f"teacher states: top-1 agrees with the data's on {teacher_agree:.4f} of 20,000 positions")
-        teacher = (states, lm_head[vocab_ids].float(), distill)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01,
                             betas=(0.9, 0.95))
     step, history, t_used = 0, [], 0.0
