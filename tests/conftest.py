@@ -7,6 +7,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -14,6 +15,27 @@ import torch
 
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
+
+
+_T0 = pytest.StashKey[float]()          # when a test's setup began
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_T0] = time.time()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the log tails of the server processes it started or still had running: pytest prunes
+    the temporary directories those logs live in, and a flake is otherwise gone with them."""
+    rep = (yield).get_result()
+    stack = sys.modules.get("tests.stack")
+    if rep.failed and stack is not None:
+        t0 = item.stash.get(_T0, 0.0)
+        for proc in stack.STARTED:
+            if proc.started >= t0 or proc.alive():
+                rep.sections.append((f"log of {proc.log.name} ({' '.join(proc.args[:2])})", proc.tail(80)))
 
 
 def pytest_sessionstart(session):

@@ -20,6 +20,9 @@ from .conftest import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+STARTED: list["Proc"] = []          # every process a test started: conftest shows their log tails when it fails
+
+
 class Proc:
     def __init__(self, args: list[str], log: Path, env: dict | None = None):
         self.args, self.log = args, log
@@ -29,6 +32,8 @@ class Proc:
     def start(self) -> "Proc":
         self.p = subprocess.Popen([sys.executable, *self.args], cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
                                   stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        self.started = time.time()
+        STARTED.append(self)
         return self
 
     def kill(self, sig=signal.SIGKILL) -> int:
