@@ -20,9 +20,9 @@ from specdec.engine.registry import load
 # Tests run torch on the main thread, in-process servers on compute's thread (specdec/compute.py). With two threads
 # each leading an OpenMP team of two on two cores, libgomp stops spinning between parallel regions and every region
 # pays a wake-up: once the first in-process server had stepped (tests/test_compute.py), 2,000 small float64 ops took
-# 110-470 ms instead of 14-25 for the rest of the suite (measured). Giving only the compute thread one OpenMP thread
-# did not hold (torch brings a thread back to the process-wide setting), so this process runs torch on one thread.
-# Server processes keep their own settings; thread-count tests set theirs explicitly.
+# 85-470 ms instead of 14-37 (mostly 14-20) for the rest of the suite (measured). Giving only the compute thread one
+# OpenMP thread did not hold (torch brings a thread back to the process-wide setting), so this process runs torch on
+# one thread. Server processes keep their own settings; thread-count tests set theirs explicitly.
 torch.set_num_threads(1)
 
 
