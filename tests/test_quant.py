@@ -307,7 +307,7 @@ def test_qdot_amx_tiles_give_the_vector_paths_bits(kind):
 def test_qdot_avx2_build_gives_the_same_bits(tmp_path, kind):
     """A CPU without AVX-512 runs qdot.cpp's AVX2 path (two ymm for a vector of 16 outputs, maddubs for dpbusd): it
     computes the same exact int32 dots and the same float chain per output, so its bits are this machine's (on an
-    AVX2-only CPU both builds are that path). Built in a child process with -mno-avx512f, qdot.cpp alone."""
+    AVX2-only CPU both builds are that path). Built in a child process with -mno-avx512f."""
     import subprocess
     import sys
     from safetensors.torch import save_file
@@ -321,21 +321,10 @@ def test_qdot_avx2_build_gives_the_same_bits(tmp_path, kind):
              f"t = load_file({str(tmp_path / 'in.safetensors')!r})\n"
              f"y = kernels.qdot(t['x'], t['qweight'], {Q.BITS[kind]}, 200)\n"
              f"save_file({{'y': y}}, {str(tmp_path / 'out.safetensors')!r})\n")
-    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512f", "SPECDEC_KERNEL_SOURCES": "qdot.cpp"}
+    env = {**os.environ, "SPECDEC_KERNEL_CFLAGS": "-mno-avx512f"}
     subprocess.run([sys.executable, "-c", child], env=env, check=True, timeout=600)
     from safetensors.torch import load_file
     assert torch.equal(load_file(str(tmp_path / "out.safetensors"))["y"], lin.mm(x))
-
-
-def test_kernel_sources_from_the_environment(monkeypatch):
-    """SPECDEC_KERNEL_SOURCES narrows the build (and its folder's key) to the named sources; a wrong name is refused."""
-    from specdec.engine import kernels
-    every = kernels.build_dir()
-    monkeypatch.setenv("SPECDEC_KERNEL_SOURCES", "qdot.cpp")
-    assert [f.name for f in kernels._sources()] == ["qdot.cpp"] and kernels.build_dir() != every
-    monkeypatch.setenv("SPECDEC_KERNEL_SOURCES", "qdot.cpp,nope.cpp")
-    with pytest.raises(ValueError, match="nope.cpp"):
-        kernels._sources()
 
 
 @pytest.mark.parametrize("mode", ["int4", "w4a8"])

@@ -44,22 +44,12 @@ def _extra_cflags() -> list[str]:
     return os.environ.get("SPECDEC_KERNEL_CFLAGS", "").split()
 
 
-def _sources() -> list[Path]:
-    # SPECDEC_KERNEL_SOURCES: build only these of SOURCES, e.g. "qdot.cpp" (qdot.cpp defines the op library the others
-    # add to): a test of one kernel's other build (test_quant's AVX2 qdot) need not compile the rest
-    names = [n for n in os.environ.get("SPECDEC_KERNEL_SOURCES", "").split(",") if n]
-    unknown = set(names) - {f.name for f in SOURCES}
-    if unknown:
-        raise ValueError(f"SPECDEC_KERNEL_SOURCES names {sorted(unknown)}; the sources are {[f.name for f in SOURCES]}")
-    return [f for f in SOURCES if not names or f.name in names]
-
-
 def build_dir() -> Path:
     """Where the kernels are built: one folder per source, torch installation, CPU and flags. The installation, not
     just its version: torch's build file names its headers by path, so two venvs (a checkout and a clean clone's CI
     run) sharing a folder rebuilt it in turn, each waiting out the other's build."""
     from ..assets import cache_dir
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in _sources() + HEADERS) + torch.__version__.encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + torch.__version__.encode()
                          + str(Path(torch.__file__).resolve().parent).encode()
                          + _cpu_flags().encode() + " ".join(_extra_cflags()).encode()).hexdigest()[:12]
     return cache_dir() / "kernels" / f"qdot-{key}"
@@ -88,7 +78,7 @@ def _load() -> None:
         with open(build / "specdec.lock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
-            cpp_extension.load(name="specdec_qdot", sources=[str(f) for f in _sources()], build_directory=str(build),
+            cpp_extension.load(name="specdec_qdot", sources=[str(f) for f in SOURCES], build_directory=str(build),
                                extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", *extra],
                                is_python_module=False, verbose=os.environ.get("SPECDEC_VERBOSE_BUILD") == "1")
     except Exception as e:   # no compiler / ninja: say so rather than fail deep inside a forward
