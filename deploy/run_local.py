@@ -178,6 +178,12 @@ def http_ok(url: str) -> bool:
         return False
 
 
+def draft_flags(args: argparse.Namespace, drafter: str, port: int) -> list[str]:
+    """The draft server's command-line flags (after `python -m draft_service`)."""
+    return ["--host", "127.0.0.1", "--port", str(port), "--drafter", drafter, "--target-model", args.model,
+            "--device", args.device, "--quant", args.draft_quant, *draft_threads(drafter, args.device)]
+
+
 def wait_healthy(checks: list[tuple[str, callable]], children: list[Child], timeout: float) -> None:
     pending, end = dict(checks), time.monotonic() + timeout
     while pending:
@@ -202,6 +208,8 @@ def parser() -> argparse.ArgumentParser:
     # prompt lookup where the context repeats 1.26x target-only, block alone 1.13x, n-gram 1.16x (HumanEval: 1.94x,
     # 1.18x, 1.59x), hence block+ngram where a trained drafter ships; and the corpus of the target's own text where
     # the context has no match (served HumanEval at 8 requests 1.30x against 1.15-1.19x, chat unchanged: README).
+    # The target's own w4a8 copy (--drafter smollm2-135m --draft-quant w4a8) is faster at one request (served chat
+    # 1.54-1.66x against 1.28-1.33x) but the planner stops drafting with it from four (chat 0.93-1.00x against 1.12x).
     ap.add_argument("--drafter", default="auto",
                     help="draft server's drafter: ngram | layer-skip | block | a draft model preset or path, each "
                          "optionally +ngram and/or +corpus: prompt lookup (and the corpus of the target's own text) "
@@ -209,6 +217,10 @@ def parser() -> argparse.ArgumentParser:
                          "(default auto: block+ngram+corpus, the shipped trained drafter and corpus, for smollm2-135m "
                          "without --tp; "
                          "else ngram)")
+    ap.add_argument("--draft-quant", default=os.environ.get("SPECDEC_DRAFT_QUANT", "none"),
+                    help="a draft model's quantized linears, none | int8 | int4 | w8a8 | w4a8 (default none); "
+                         "`--drafter smollm2-135m --draft-quant w4a8`: the target's own weights on the int8-activation "
+                         "kernel, the fastest drafter at one request (README) [SPECDEC_DRAFT_QUANT]")
     ap.add_argument("--port", type=int, help="target REST port (default 8000; 0 = any free port)")
     ap.add_argument("--grpc-port", type=int, help="target gRPC port (default 50051; 0 = any free port)")
     ap.add_argument("--draft-port", type=int, help="draft gRPC port (default 50061; 0 = any free port)")
@@ -296,9 +308,8 @@ def run(args: argparse.Namespace, children: list[Child]) -> int:
     # looks up itself (no round trip for a copied block) and asks the draft server's NAME only where lookup finds
     # nothing.
     drafter, *looks = args.drafter.split("+")
-    draft = Child("draft server", [py, "-m", "draft_service", "--host", "127.0.0.1", "--port", str(ports["draft_port"]),
-                                   "--drafter", drafter, "--target-model", args.model, "--device", args.device,
-                                   *draft_threads(drafter, args.device)], args.log_dir / "draft.log")
+    draft = Child("draft server", [py, "-m", "draft_service", *draft_flags(args, drafter, ports["draft_port"])],
+                  args.log_dir / "draft.log")
     target = Child("target server", [py, "-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["port"]),
                                      "--grpc-port", str(ports["grpc_port"]), "--model", args.model,
                                      "--draft", draft_addr, "--draft-name", drafter, "--redis-url", redis_url,

@@ -119,6 +119,19 @@ def test_trained_block_drafter_is_exact(smollm2, prompts, greedy_ref, seeded_ref
         d.close()
 
 
+def test_the_targets_own_w4a8_copy_drafts_exactly(smollm2, prompts, greedy_ref, seeded_ref):
+    """SmolLM2 on the int8-activation kernel (w4a8: the file's own 4-bit codes, which the bf16 target holds
+    dequantised) as the bf16 target's drafter: greedy output is target-only output and coupled output plain seeded
+    decoding, bitwise, and since the two differ only in rounding, most of its drafts are accepted."""
+    d = make_drafter("smollm2-135m", quant="w4a8", kv_tokens=32768)
+    outs = run(smollm2, d, [GenRequest(p, SamplingParams(), TOKENS) for p in prompts], gamma=4)
+    assert [o.tokens for o in outs] == greedy_ref
+    drafted, accepted = sum(o.stats.drafted for o in outs), sum(o.stats.accepted for o in outs)
+    assert accepted > 0.8 * drafted, (accepted, drafted)
+    outs = run(smollm2, d, [GenRequest(p, SEEDED["T1.0"], TOKENS) for p in prompts], gamma=4, mode=Mode.COUPLED)
+    assert [o.tokens for o in outs] == seeded_ref["T1.0"]
+
+
 def test_shipped_corpus_drafts_exactly(smollm2, prompts, greedy_ref, seeded_ref):
     """The corpus shipped beside the trained drafter (the target's own text from its training data): alone and as
     block+ngram+corpus, greedy output is target-only output and coupled output plain seeded decoding, bitwise; its
