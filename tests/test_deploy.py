@@ -375,6 +375,21 @@ def test_run_local_passes_the_draft_quant_to_the_draft_server(clean_env, monkeyp
     assert draft_args(rl.draft_flags(rl.parser().parse_args([]), "smollm2-135m", 50099))["quant"] == "w8a8"
 
 
+def test_run_local_lets_openmp_workers_sleep_beside_a_draft_model(tmp_path, clean_env):
+    """With a draft model on the target's CPU both servers get GOMP_SPINCOUNT=10000 (each one's OpenMP workers would
+    spin on the cores the other computes with); a light drafter, a GPU or the user's own setting get nothing; and a
+    child really sees it."""
+    rl = load_run_local()
+    assert rl.spin_env("smollm2-135m", "cpu") == rl.spin_env("layer-skip", "cpu") == {"GOMP_SPINCOUNT": "10000"}
+    assert rl.spin_env("block", "cpu") == rl.spin_env("ngram", "cpu") == rl.spin_env("smollm2-135m", "cuda") == {}
+    clean_env.setenv("GOMP_SPINCOUNT", "500")
+    assert rl.spin_env("smollm2-135m", "cpu") == {}
+    child = rl.Child("probe", [sys.executable, "-c", "import os; print(os.environ['GOMP_SPINCOUNT'])"],
+                     tmp_path / "probe.log", env={"GOMP_SPINCOUNT": "10000"}).start()
+    assert child.p.wait(timeout=30) == 0
+    assert (tmp_path / "probe.log").read_text().strip() == "10000"
+
+
 def test_run_local_check_embedded_store(tmp_path):
     r = launch(tmp_path, "--check", "--no-redis", "--drafter", "tiny-llama-draft+ngram")   # lookup in the target
     assert r.returncode == 0, r.stdout + r.stderr
