@@ -223,7 +223,8 @@ def parser() -> argparse.ArgumentParser:
     # 1.18x, 1.59x), hence block+ngram where a trained drafter ships; and the corpus of the target's own text where
     # the context has no match (served HumanEval at 8 requests 1.30x against 1.15-1.19x, chat unchanged: README).
     # The target's own w4a8 copy (--drafter smollm2-135m --draft-quant w4a8) is faster at one request (served chat
-    # 1.54-1.66x against 1.28-1.33x) but the planner stops drafting with it from four (chat 0.93-1.00x against 1.12x).
+    # 1.87-1.92x with spin_env, against 1.26-1.33x) but the planner stops drafting with it from four (chat 0.93-1.00x
+    # against 1.11-1.12x).
     ap.add_argument("--drafter", default="auto",
                     help="draft server's drafter: ngram | layer-skip | block | a draft model preset or path, each "
                          "optionally +ngram and/or +corpus: prompt lookup (and the corpus of the target's own text) "
