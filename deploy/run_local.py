@@ -92,13 +92,16 @@ def _die_with_parent() -> None:
         pass
 
 
+LIGHT_DRAFTERS = ("block", "ngram", "corpus")     # draft servers that run no model of their own: one torch thread
+
+
 def draft_threads(drafter: str, device: str) -> list[str]:
     """The draft server's torch threads, as flags. A light drafter on the target's CPU gets one: the block drafter's
     forward is ~2.5 ms of small ops (3.4 on one thread), and with torch's default of every core its OpenMP workers
     spin on after each answer, on the cores the target then verifies with (SmolLM2 at batch 1 on 2 cores, every draft
     verified: the verify after a draft 25.5 ms against 20.6 with one draft thread; drafting 7.9 ms against 7.1).
     A draft model keeps the default (its forward is long enough to want every core)."""
-    return ["--threads", "1"] if drafter in ("block", "ngram", "corpus") and device == "cpu" else []
+    return ["--threads", "1"] if drafter in LIGHT_DRAFTERS and device == "cpu" else []
 
 
 class Child:
@@ -187,7 +190,7 @@ def spin_env(drafter: str, device: str) -> dict[str, str]:
     target's own w4a8 copy drafting 1.92x and 1.87x against 1.50x and 1.61x (the draft server's alone: 1.59x, 1.61x).
     A light drafter runs one torch thread (draft_threads), and there it changed nothing measurable (the trained
     drafter at 1 / 8 requests: 1.35x / 1.08x against 1.26x / 1.11x), so it is left alone. A user's own setting stays."""
-    if drafter in ("block", "ngram", "corpus") or device != "cpu" or "GOMP_SPINCOUNT" in os.environ:
+    if drafter in LIGHT_DRAFTERS or device != "cpu" or "GOMP_SPINCOUNT" in os.environ:
         return {}
     return {"GOMP_SPINCOUNT": "10000"}
 
@@ -323,14 +326,15 @@ def run(args: argparse.Namespace, children: list[Child]) -> int:
     # looks up itself (no round trip for a copied block) and asks the draft server's NAME only where lookup finds
     # nothing.
     drafter, *looks = args.drafter.split("+")
+    spin = spin_env(drafter, args.device)
     draft = Child("draft server", [py, "-m", "draft_service", *draft_flags(args, drafter, ports["draft_port"])],
-                  args.log_dir / "draft.log", env=spin_env(drafter, args.device))
+                  args.log_dir / "draft.log", env=spin)
     target = Child("target server", [py, "-m", "target_service", "--host", "127.0.0.1", "--port", str(ports["port"]),
                                      "--grpc-port", str(ports["grpc_port"]), "--model", args.model,
                                      "--draft", draft_addr, "--draft-name", drafter, "--redis-url", redis_url,
                                      "--tp", str(args.tp), "--device", args.device,
                                      *(["--lookup", ",".join(looks)] if looks else [])],
-                    args.log_dir / "target.log", env=spin_env(drafter, args.device))
+                    args.log_dir / "target.log", env=spin)
     # Both at once: the target's draft channel connects lazily, and loading the two models overlaps.
     for c in (draft, target):
         children.append(c)             # tracked before it starts, so a signal right now still stops it

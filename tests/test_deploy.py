@@ -364,14 +364,14 @@ def test_run_local_gives_a_light_drafter_one_thread():
     assert draft_args(rl.draft_threads("block", "cpu"))["threads"] == 1
 
 
-def test_run_local_passes_the_draft_quant_to_the_draft_server(clean_env, monkeypatch):
+def test_run_local_passes_the_draft_quant_to_the_draft_server(clean_env):
     """--draft-quant (or SPECDEC_DRAFT_QUANT) reaches the draft server as its --quant; none by default."""
     rl = load_run_local()
     args = rl.parser().parse_args(["--drafter", "smollm2-135m", "--draft-quant", "w4a8"])
     flags = rl.draft_flags(args, "smollm2-135m", 50099)
     assert draft_args(flags)["quant"] == "w4a8" and draft_args(flags)["drafter"] == "smollm2-135m"
     assert draft_args(rl.draft_flags(rl.parser().parse_args([]), "block", 50099))["quant"] == "none"
-    monkeypatch.setenv("SPECDEC_DRAFT_QUANT", "w8a8")
+    clean_env.setenv("SPECDEC_DRAFT_QUANT", "w8a8")
     assert draft_args(rl.draft_flags(rl.parser().parse_args([]), "smollm2-135m", 50099))["quant"] == "w8a8"
 
 
