@@ -50,14 +50,31 @@ class CostTable:
         lo, hi = i - 1, i
         return m[lo] + (m[hi] - m[lo]) * (n - r[lo]) / (r[hi] - r[lo])
 
+    def __post_init__(self):
+        self.profiled = list(self.ms)
+        self.measured: dict[int, float] = {}     # index -> the online estimate at that profiled row count
+
     def update(self, n: int, ms: float, ema: float = 0.2) -> None:
-        """Online correction from a measured verify: move the nearest profiled point toward it (a start-up profile
-        taken on a busy machine would otherwise mislead the planner for good)."""
-        i = min(range(len(self.rows)), key=lambda k: abs(self.rows[k] - n))
-        if self.rows[i] == n:
-            self.ms[i] = m = (1 - ema) * self.ms[i] + ema * ms
-            # keep the table non-decreasing around the moved point: smaller row counts cannot cost more
-            self.ms = [min(x, m) if k < i else max(x, m) if k > i else x for k, x in enumerate(self.ms)]
+        """Online correction from a verify measured at a profiled row count (others are ignored): that point moves
+        toward it, and points not measured yet keep their profiled ratio to the nearest measured one. A start-up
+        profile taken on a busy machine is too high at every row count: with only the measured point corrected (served:
+        1 row profiled at 111 ms, run at 15; 2 and 4 rows left at 111) a second row looked 7x dearer than the first,
+        and no draft was verified again."""
+        if n not in self.rows:
+            return
+        i = self.rows.index(n)
+        self.measured[i] = (1 - ema) * self.measured.get(i, self.profiled[i]) + ema * ms
+        out = []
+        for k, p in enumerate(self.profiled):
+            j = k if k in self.measured else \
+                min(self.measured, key=lambda j: (abs(self.rows[j] - self.rows[k]), j))
+            out.append(self.measured[k] if j == k else p * self.measured[j] / self.profiled[j])
+        for k in range(len(out) - 2, -1, -1):    # a derived point is never above the next one
+            if k not in self.measured:
+                out[k] = min(out[k], out[k + 1])
+        for k in range(1, len(out)):              # cost never decreases with rows
+            out[k] = max(out[k], out[k - 1])
+        self.ms = out
 
     @classmethod
     def linear(cls, base_ms: float, per_row_ms: float, max_rows: int = 256) -> "CostTable":
@@ -80,26 +97,31 @@ def profile_rows(tile_rows: int | None = None, most: int = 64, gemm_rows: int = 
 
 def profile_cost(engine, rows: Sequence[int] | None = None, context: int = 128, reps: int = 3) -> CostTable:
     """Measure the engine's packed verify cost for each row count (rows spread over sequences of <= 9 rows, on a
-    cached context), median of `reps`. Default rows: `profile_rows` at the engine's linear tiles."""
+    cached context): the fastest of `reps` rounds, each round timing every row count once, after a warm-up round.
+    Other work on the machine only adds time, and a burst of it costs one round of every row count rather than every
+    measurement of a few: a served profile taken while the draft server finished loading beside the target said
+    74.9 ms for 1 to 17 rows (15-20 ms for 1 row unloaded), and the planner, correcting the row count it ran, then
+    found a second row 3.7x dearer than the first and verified no draft (a median over back-to-back repeats). Default
+    rows: `profile_rows` at the engine's linear tiles."""
     from ..engine.layout import SeqInput
     if rows is None:
         tiles = getattr(engine, "row_tiles", None)
         rows = profile_rows(tiles.hi if tiles is not None else None)
-    out = []
-    for n in rows:
-        per = [min(9, n - 9 * k) for k in range(math.ceil(n / 9))]
-        seqs = [engine.new_sequence() for _ in per]
-        try:
-            engine.prefill(seqs, [[1 + (i % 50)] * context for i in range(len(per))])
-            ts = []
-            for _ in range(reps + 1):
+    spread = {n: [min(9, n - 9 * k) for k in range(math.ceil(n / 9))] for n in rows}
+    seqs = [engine.new_sequence() for _ in range(max(len(per) for per in spread.values()))]
+    best = {n: math.inf for n in rows}
+    try:
+        engine.prefill(seqs, [[1 + (i % 50)] * context for i in range(len(seqs))])
+        for rnd in range(reps + 1):
+            for n in rows:           # every row count rewrites the same positions after the context
                 t = time.perf_counter()
-                engine.forward([SeqInput(s, [2] * k, start=context, logits="all") for s, k in zip(seqs, per)])
-                ts.append((time.perf_counter() - t) * 1e3)
-            out.append(sorted(ts[1:])[len(ts[1:]) // 2])
-        finally:
-            for s in seqs:
-                engine.release(s)
+                engine.forward([SeqInput(s, [2] * k, start=context, logits="all") for s, k in zip(seqs, spread[n])])
+                if rnd:
+                    best[n] = min(best[n], (time.perf_counter() - t) * 1e3)
+    finally:
+        for s in seqs:
+            engine.release(s)
+    out = [best[n] for n in rows]
     for i in range(1, len(out)):  # cost never decreases with rows (noise aside)
         out[i] = max(out[i], out[i - 1])
     return CostTable(list(rows), out)
@@ -188,6 +210,9 @@ def best_gamma(alpha: float, c: float, gamma_max: int, gamma_min: int = 1) -> in
     return max(range(gamma_min, gamma_max + 1), key=lambda g: leviathan_gain(alpha, g) / (1 + g * c))
 
 
+EXPLORE_SHARE = 0.02       # the most of the time exploration may take while drafting does not pay
+
+
 class CostPlanner:
     """The verify-length planner (and adaptive gamma). Usable as `plan=` of speculative_step."""
 
@@ -209,6 +234,8 @@ class CostPlanner:
         self.explore_every = explore_every
         self.next_explorer: str | None = None  # while drafting does not pay: the one request that may explore
         self.steps = 0                        # steps planned so far (the exploration clock)
+        self.explore_ms = 0.0                 # drafting time of steps where only explorers drafted (smoothed)
+        self.exploring = False                # the step being planned: only explorers drafted
         # Does drafting pay for the batch as a whole (at large batches verify rows stop being nearly free)? Predicted:
         # the plans' expected tokens/ms (drafting included) over plain decoding's by the cost table. Realised: each
         # step's tokens/ms over the table's plain rate, for steps the model drafted ("draft"), steps that verified
@@ -267,12 +294,12 @@ class CostPlanner:
         self.undrafted[r.rid] = self.undrafted.get(r.rid, 0) + 1
         # Every request explores on the same steps: a step that drafts for any request pays the drafter's fixed cost
         # (a served Propose of 8 requests: 9-26 ms against a 48 ms step, measured), and staggered, nearly every step
-        # would. While drafting does not pay for the batch, 4x less often and one request a step, in turn: the
-        # calibration and the batch's measured rates are shared, and every explorer adds its features to the Propose
-        # and a row to the verify (served chat at 8 requests: 14-22 ms of drafting a step for all of them, 6-16 ms
-        # for one; model-drafting steps cost ~3% of the run in a trace).
+        # would. While drafting does not pay for the batch, at least 4x less often (explore_period) and one request a
+        # step, in turn: the calibration and the batch's measured rates are shared, and every explorer adds its
+        # features to the Propose and a row to the verify (served chat at 8 requests: 14-22 ms of drafting a step for
+        # all of them, 6-16 ms for one; model-drafting steps cost ~3% of the run in a trace).
         pays = self.draft_pays >= 1
-        period = self.explore_every * (1 if pays else 4)
+        period = self.explore_every if pays else self.explore_period()
         if self.undrafted[r.rid] < self.explore_every or self.steps % period:
             return 0
         if not pays and self.next_explorer not in (None, r.rid):
@@ -281,6 +308,13 @@ class CostPlanner:
         self.explore.add(r.rid)
         # explore at the block length drafting would use, so the measured drafting steps are representative
         return min(r.gamma, best_gamma(alpha, c, r.gamma))
+
+    def explore_period(self) -> int:
+        """Steps between explorations while drafting does not pay: 4 * explore_every, or more where that would spend
+        over EXPLORE_SHARE of the time on them. An explorer's drafter first catches up on all the request's text it
+        has not seen (a model drafter prefills it): served chat at 8 requests with the target's own w4a8 copy, each
+        exploration's Propose took 70-220 ms against a 40 ms step, every 32 steps, 13% of the run (0.89x)."""
+        return max(4 * self.explore_every, math.ceil(self.explore_ms / (EXPLORE_SHARE * self.cost(self.batch))))
 
     def _copies_on(self, step: int) -> bool:
         """Does step `step` plan copied blocks? Not where verifying them was measured not to pay at this batch size
@@ -303,7 +337,8 @@ class CostPlanner:
         copies = self._copies_on(self.steps)
         probs = [[(self.cal_copied.prob(c) if copies else 0.0) if p.copied else self.cal.prob(c)
                   for c in p.confidence] for p in props]
-        modelled = any(p.tokens and not p.copied for p in props)
+        modelled = [r.rid for r, p in zip(reqs, props) if p.tokens and not p.copied]
+        self.exploring = bool(modelled) and all(rid in self.explore for rid in modelled)
         # the drafting this step paid (the plan's fixed cost): none when every block was copied
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms if modelled else 0.0, self.floors(reqs, caps))
         if modelled:
@@ -365,6 +400,8 @@ class CostPlanner:
         if verify_ms is not None and self.learn_costs:
             self.cost.update(rows or sum(vlen), verify_ms)
         drafted = max((len(p.tokens) for p in props if not p.copied), default=0)   # by a model
+        if draft_ms is not None and drafted and self.exploring:     # what an exploration costs, catching up included
+            self.explore_ms = (1 - self.ema) * self.explore_ms + self.ema * draft_ms if self.explore_ms else draft_ms
         if draft_ms is not None and self.learn_costs and drafted:
             # drafting is paid every step whatever is verified: it is the plan's fixed cost (learned from steps that
             # drafted: one without drafts says nothing about a draft's cost)
