@@ -77,6 +77,16 @@ inline void nibbles(VI v, VI& lo, VI& hi) {
 }
 template <int BITS>   // acc + per lane sum of its 4 code bytes times x's 4 bytes
 inline VI dot4(VI acc, VI codes, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, codes.v, _mm512_set1_epi32(x4))}; }
+template <int BITS>   // a group's dot for 16 outputs: 8 rows of 4 codes a lane against 32 activations
+inline VI group_dot(const VI c[8], const int32_t* x4) {
+  VI d0 = izero(), d1 = izero();   // two chains; integer sums are exact in any order
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    d0 = dot4<BITS>(d0, c[i], x4[i]);
+    d1 = dot4<BITS>(d1, c[4 + i], x4[4 + i]);
+  }
+  return iadd(d0, d1);
+}
 inline VF tofloat(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 inline VF halfs(const at::Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
@@ -104,27 +114,54 @@ inline VI load64(const uint8_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
 }
-inline VI izero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-inline VI iadd(VI a, VI b) { return {_mm256_add_epi32(a.l, b.l), _mm256_add_epi32(a.h, b.h)}; }
 inline __m256i lo4(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 inline __m256i hi4(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
 inline void nibbles(VI v, VI& lo, VI& hi) {
   lo = {lo4(v.l), lo4(v.h)};
   hi = {hi4(v.l), hi4(v.h)};
 }
-inline __m256i dot4_half(__m256i c, __m256i x) {   // maddubs pairs, then pairs of pairs: 4 products a lane
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1));
-}
+// A group's dot for 16 outputs: 8 rows of 4 codes a lane against 32 activations. maddubs leaves int16 sums of 2
+// products, and 4- and 6-bit codes keep several such sums within an int16 (|x| <= 127): a 4-bit pair is at most
+// 2 * 15 * 127 = 3810, a lane's 8 pairs at most 30480; a 6-bit pair 16002, two of them 32004. So they are added as
+// int16 and widened once (madd by 1), where each 4 products took a madd and an add: the same exact sum. 8-bit codes
+// would saturate maddubs' pairs (255 * 127 * 2): their nibbles are summed apart, 16 * hi + lo.
 template <int BITS>
-inline __m256i dot4_one(__m256i acc, __m256i c, __m256i x) {
-  if constexpr (BITS <= 6) return _mm256_add_epi32(acc, dot4_half(c, x));   // 63 * 127 * 2 fits int16
-  // 8-bit codes would saturate maddubs' int16 pairs (255 * 127 * 2): split them into nibbles, 16 * hi + lo
-  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_slli_epi32(dot4_half(hi4(c), x), 4), dot4_half(lo4(c), x)));
-}
-template <int BITS>
-inline VI dot4(VI acc, VI codes, int32_t x4) {
-  const __m256i x = _mm256_set1_epi32(x4);
-  return {dot4_one<BITS>(acc.l, codes.l, x), dot4_one<BITS>(acc.h, codes.h, x)};
+inline VI group_dot(const VI c[8], const int32_t* x4) {
+  const __m256i one = _mm256_set1_epi16(1);
+  if constexpr (BITS == 4) {
+    __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256i x = _mm256_set1_epi32(x4[i]);
+      l = _mm256_add_epi16(l, _mm256_maddubs_epi16(c[i].l, x));
+      h = _mm256_add_epi16(h, _mm256_maddubs_epi16(c[i].h, x));
+    }
+    return {_mm256_madd_epi16(l, one), _mm256_madd_epi16(h, one)};
+  } else if constexpr (BITS == 6) {
+    __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int i = 0; i < 8; i += 2) {
+      const __m256i x0 = _mm256_set1_epi32(x4[i]), x1 = _mm256_set1_epi32(x4[i + 1]);
+      l = _mm256_add_epi32(l, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[i].l, x0),
+                                                                  _mm256_maddubs_epi16(c[i + 1].l, x1)), one));
+      h = _mm256_add_epi32(h, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[i].h, x0),
+                                                                  _mm256_maddubs_epi16(c[i + 1].h, x1)), one));
+    }
+    return {l, h};
+  } else {
+    __m256i lh = _mm256_setzero_si256(), ll = _mm256_setzero_si256();
+    __m256i hh = _mm256_setzero_si256(), hl = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const __m256i x = _mm256_set1_epi32(x4[i]);
+      lh = _mm256_add_epi16(lh, _mm256_maddubs_epi16(hi4(c[i].l), x));
+      ll = _mm256_add_epi16(ll, _mm256_maddubs_epi16(lo4(c[i].l), x));
+      hh = _mm256_add_epi16(hh, _mm256_maddubs_epi16(hi4(c[i].h), x));
+      hl = _mm256_add_epi16(hl, _mm256_maddubs_epi16(lo4(c[i].h), x));
+    }
+    return {_mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(lh, one), 4), _mm256_madd_epi16(ll, one)),
+            _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hh, one), 4), _mm256_madd_epi16(hl, one))};
+  }
 }
 inline VF tofloat(VI a) { return {_mm256_cvtepi32_ps(a.l), _mm256_cvtepi32_ps(a.h)}; }
 inline VF halfs(const at::Half* p) {
@@ -229,13 +266,7 @@ inline void tile(const uint8_t* quad, int j0, Rows x, int64_t K, int64_t N, int6
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int32_t* x4 = reinterpret_cast<const int32_t*>(x.xq + r * K + g * G);
-        VI d0 = izero(), d1 = izero();   // two chains; integer sums are exact in any order
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) {
-          d0 = dot4<BITS>(d0, c[i], x4[i]);
-          d1 = dot4<BITS>(d1, c[4 + i], x4[4 + i]);
-        }
-        acc[r][b] = group_step(acc[r][b], iadd(d0, d1), x.a[r * ng + g], x.asum[r * ng + g], sv, ov);
+        acc[r][b] = group_step(acc[r][b], group_dot<BITS>(c, x4), x.a[r * ng + g], x.asum[r * ng + g], sv, ov);
       }
     }
   }
