@@ -51,6 +51,7 @@ class CostTable:
         return m[lo] + (m[hi] - m[lo]) * (n - r[lo]) / (r[hi] - r[lo])
 
     def __post_init__(self):
+        self.ms = self._non_decreasing(self.ms)
         self.profiled = list(self.ms)
         self.measured: dict[int, float] = {}     # index -> the online estimate at that profiled row count
 
@@ -72,9 +73,12 @@ class CostTable:
         for k in range(len(out) - 2, -1, -1):    # a derived point is never above the next one
             if k not in self.measured:
                 out[k] = min(out[k], out[k + 1])
-        for k in range(1, len(out)):              # cost never decreases with rows
-            out[k] = max(out[k], out[k - 1])
-        self.ms = out
+        self.ms = self._non_decreasing(out)
+
+    @staticmethod
+    def _non_decreasing(ms: Sequence[float]) -> list[float]:
+        """Cost never decreases with rows (a lower point measured dearer than a higher one is noise)."""
+        return list(itertools.accumulate(ms, max))
 
     @classmethod
     def linear(cls, base_ms: float, per_row_ms: float, max_rows: int = 256) -> "CostTable":
@@ -121,10 +125,7 @@ def profile_cost(engine, rows: Sequence[int] | None = None, context: int = 128, 
     finally:
         for s in seqs:
             engine.release(s)
-    out = [best[n] for n in rows]
-    for i in range(1, len(out)):  # cost never decreases with rows (noise aside)
-        out[i] = max(out[i], out[i - 1])
-    return CostTable(list(rows), out)
+    return CostTable(list(rows), [best[n] for n in rows])      # made non-decreasing by the table
 
 
 # -- STS: confidence -> acceptance probability -----------------------------------------------------------------------
