@@ -430,10 +430,13 @@ def test_make_runs_target_keeps_one_openmp_team(tmp_path):
             line = p.stdout.readline()
             assert line and time.monotonic() - t0 < 240, "".join(lines)
             lines.append(line)
-        body = json.dumps({"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}).encode()
+        # greedy: at the default temperature (1.0, a fresh seed each time) " Paris." then EOS ended one CI run at 3
+        body = json.dumps({"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8,
+                           "temperature": 0}).encode()
         req = urllib.request.Request("http://127.0.0.1:8000/v1/completions", body,
                                      {"content-type": "application/json"})
-        assert json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"] == 8
+        got = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        assert got["usage"]["completion_tokens"] == 8 or got["choices"][0]["finish_reason"] == "stop", got
         pid = int(subprocess.run(["pgrep", "-f", "-P", str(p.pid), "target_service"], capture_output=True,
                                  text=True).stdout.split()[0])
         bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 3"], capture_output=True,
