@@ -9,8 +9,8 @@ from specdec.draft.model import ModelDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
-from specdec.speculative.plan import (Calibration, CostPlanner, CostTable, best_gamma, best_plan, brute_force_plan,
-                               expected_rate, leviathan_gain)
+from specdec.speculative.plan import (MEASURED_AFTER, Calibration, CostPlanner, CostTable, best_gamma, best_plan,
+                                      brute_force_plan, expected_rate, leviathan_gain)
 
 COSTS = [CostTable([1, 2, 4, 8, 16, 32], [10, 10.4, 11, 12.5, 16, 25]),   # verify nearly free up to ~8 rows
          CostTable.linear(2.0, 3.0),                                       # every row costs: short blocks win
@@ -293,10 +293,11 @@ def test_one_lucky_drafting_step_does_not_keep_drafting_on():
     planner = CostPlanner(CostTable.linear(0.0, 10.0), learn_costs=False)
     reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 50, Mode.GREEDY, 4) for i in range(4)]
     drafts, none = [Proposal(1, [2] * 4, [0.9] * 4)] * 4, [Proposal(1, [], [])] * 4
-    planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)            # plain rate 1.0
+    for _ in range(MEASURED_AFTER):
+        planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)        # plain rate 1.0
     planner.observe(reqs, drafts, [5] * 4, [4] * 4, draft_ms=30.0, verify_ms=60.0)         # lucky: 20 tokens / 90 ms
-    assert planner.draft_pays > 2
-    for _ in range(3):
+    assert planner.draft_pays == planner.predicted_pays          # one drafting step decides nothing (below)
+    for _ in range(MEASURED_AFTER - 1):
         planner.observe(reqs, drafts, [5] * 4, [0] * 4, draft_ms=30.0, verify_ms=60.0)     # then 4 tokens / 90 ms
     assert planner.draft_pays < 1 and planner.gamma(reqs[0]) == 0
 
@@ -314,7 +315,7 @@ def test_what_pays_at_batch_1_is_not_taken_for_batch_16():
         planner.alpha[r.rid] = 0.9
     one, many = reqs[:1], reqs
     d = lambda n, a: ([Proposal(1, [2] * 4, [0.9] * 4)] * n, [5] * n, [a] * n)
-    for _ in range(3):
+    for _ in range(MEASURED_AFTER):
         planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)      # 1 token / 21 ms
         planner.observe(one, *d(1, 3), draft_ms=2.0, verify_ms=25.0)                             # 4 tokens / 27 ms
         planner.observe(many, [Proposal(1, [], [])] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=36.0)
@@ -337,7 +338,8 @@ def test_copied_blocks_are_planned_apart_from_the_models():
     copy, model = Proposal(1, [2] * 6, [1.0] * 6, copied=True), Proposal(1, [2] * 6, [0.95] * 6)
     for _ in range(30):      # copies always accepted, the model's confident blocks never
         planner.observe(reqs, [copy, copy], [7, 7], [6, 6], draft_ms=0.1, verify_ms=20.0)
-        planner.observe(reqs, [model, model], [7, 7], [0, 0], draft_ms=60.0, verify_ms=20.0)
+        for _ in range(2):   # the model's drafting cost is learned from a step that caught up on nothing (the second)
+            planner.observe(reqs, [model, model], [7, 7], [0, 0], draft_ms=60.0, verify_ms=20.0)
     assert planner.cal_copied.prob(1.0) > 0.95 and planner.cal.prob(0.95) < 0.2 and planner.cal.prob(1.0) < 0.2
     assert max(planner.alpha.values()) < 0.01                       # the model's acceptance alone
     assert planner.draft_ms > 9                                      # 60 ms / 6 tokens: copies cost no drafting
@@ -388,7 +390,7 @@ def test_copies_that_do_not_pay_at_a_batch_size_are_not_verified_there():
     copy, none = Proposal(1, [2] * 4, [0.9] * 4, copied=True), Proposal(1, [], [])
     planner.cal_copied.prob = lambda c: 0.95
     assert planner.copies_pay == 1.0 and sum(planner(reqs, [copy] * 16)) > 16        # not measured: verified
-    for _ in range(5):
+    for _ in range(MEASURED_AFTER):
         planner.observe(reqs, [none] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=30.0)     # 16 / 30 ms
         planner.observe(reqs, [copy] * 16, [2] * 16, [0] * 16, draft_ms=0.0, verify_ms=38.0)     # 16 / 38 ms
     assert planner.copies_pay == pytest.approx(30 / 38, abs=0.01)
@@ -401,8 +403,9 @@ def test_copies_that_do_not_pay_at_a_batch_size_are_not_verified_there():
             verified.append(planner.steps)
     assert len(verified) == 1 and verified[0] % (4 * planner.explore_every) == 0 and wanted == verified
     one = reqs[:1]                # batch 1: copies measured to pay there
-    planner.observe(one, [none], [1], [0], draft_ms=0.0, verify_ms=20.0)
-    planner.observe(one, [copy], [3], [2], draft_ms=0.0, verify_ms=21.0)
+    for _ in range(MEASURED_AFTER):
+        planner.observe(one, [none], [1], [0], draft_ms=0.0, verify_ms=20.0)
+        planner.observe(one, [copy], [3], [2], draft_ms=0.0, verify_ms=21.0)
     assert planner.copies_pay > 2 and planner(one, [copy]) != [1]
     planner.batch = 8             # 5-8: nothing measured
     assert planner.copies_pay == 1.0
@@ -437,3 +440,49 @@ def test_batch_classes():
     classes = [CostPlanner.batch_class(B) for B in range(1, 18)]
     assert classes == [1, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6]
     assert CostPlanner.batch_class(0) == 1 and CostPlanner.batch_class(32) == 6 and CostPlanner.batch_class(33) == 7
+
+
+def _reqs(n: int, alpha: float, planner: CostPlanner, first: int = 0):
+    from specdec.speculative.accept import Mode
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 10**6, Mode.GREEDY, 4) for i in range(first, first + n)]
+    for r in reqs:
+        planner.alpha[r.rid] = alpha
+    return reqs
+
+
+def test_a_catch_up_is_not_priced_as_drafting():
+    """A model drafter's first Propose for a request prefills its prompt (and after a pause, all the text since its
+    last draft): served chat at 4 requests with the target's w4a8 copy drafting, 4 prompts made one Propose 89 ms
+    where later ones took 10-20, and that step priced per drafted token gave every request gamma 0 at once (1.03x, AL
+    1.12; in process every draft verified gives 1.20x-1.22x). Drafting's costs are learned from steps whose requests
+    all drafted the step before; the batch's measured rates still count catch-ups."""
+    from specdec.speculative.propose import Proposal
+    planner = CostPlanner(CostTable.linear(20.0, 0.1), fixed_ms=8.0, draft_ms_per_token=2.0)
+    reqs = _reqs(4, 0.6, planner)
+    block = lambda n: [Proposal(1, [2] * 4, [0.6] * 4)] * n
+    planner.observe(reqs, block(4), [5] * 4, [2] * 4, draft_ms=400.0, verify_ms=21.0)    # 4 prompts caught up
+    assert (planner.draft_ms, planner.fixed_ms) == (2.0, 8.0) and min(planner.gamma(r) for r in reqs) >= 3
+    planner.observe(reqs, block(4), [5] * 4, [2] * 4, draft_ms=16.0, verify_ms=21.0)     # steady: 4 ms a slot
+    assert planner.draft_ms == pytest.approx(2.4) and planner.fixed_ms == pytest.approx(9.6)
+    more = reqs + _reqs(1, 0.6, planner, first=4)                                         # a new request's prompt
+    planner.observe(more, block(5), [5] * 5, [2] * 5, draft_ms=120.0, verify_ms=21.0)
+    assert planner.draft_ms == pytest.approx(2.4) and planner.gamma(more[-1]) >= 3
+
+
+def test_one_slow_first_drafting_step_does_not_turn_drafting_off():
+    """A batch size class's first drafting step pays every request's catch-up; with the next step plain, that one
+    step decided alone that drafting did not pay, and the one-request explorations after it (each a catch-up again)
+    never turned it back on. The measured rates decide once each kind has MEASURED_AFTER steps at the class."""
+    from specdec.speculative.propose import Proposal
+    planner = CostPlanner(CostTable.linear(0.0, 10.0), learn_costs=False)
+    reqs = _reqs(4, 0.9, planner)
+    drafts, none = [Proposal(1, [2] * 4, [0.9] * 4)] * 4, [Proposal(1, [], [])] * 4
+    for _ in range(MEASURED_AFTER):
+        planner.observe(reqs, none, [1] * 4, [0] * 4, draft_ms=0.0, verify_ms=40.0)          # 4 tokens / 40 ms
+    planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=260.0, verify_ms=60.0)         # 16 / 320 ms: catch-up
+    assert planner.draft_pays == planner.predicted_pays and planner.gamma(reqs[0]) == 4
+    for _ in range(MEASURED_AFTER - 1):
+        planner.observe(reqs, drafts, [5] * 4, [3] * 4, draft_ms=20.0, verify_ms=60.0)      # 16 / 80 ms
+    assert planner.draft_pays > 1.3 and planner.gamma(reqs[0]) == 4
