@@ -337,6 +337,11 @@ class CostPlanner:
         """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
         return [1] * len(reqs)
 
+    @staticmethod
+    def _modelled(reqs, props: list[Proposal]) -> list[str]:
+        """The requests a model drafted for this step (a block copied from the context costs no drafting)."""
+        return [r.rid for r, p in zip(reqs, props) if p.tokens and not p.copied]
+
     def __call__(self, reqs, props: list[Proposal]) -> list[int]:
         self.steps += 1
         self.batch = len(reqs)
@@ -344,7 +349,7 @@ class CostPlanner:
         copies = self._copies_on(self.steps)
         probs = [[(self.cal_copied.prob(c) if copies else 0.0) if p.copied else self.cal.prob(c)
                   for c in p.confidence] for p in props]
-        modelled = [r.rid for r, p in zip(reqs, props) if p.tokens and not p.copied]
+        modelled = self._modelled(reqs, props)
         self.exploring = bool(modelled) and all(rid in self.explore for rid in modelled)
         # the drafting this step paid (the plan's fixed cost): none when every block was copied
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms if modelled else 0.0, self.floors(reqs, caps))
@@ -407,13 +412,13 @@ class CostPlanner:
         if verify_ms is not None and self.learn_costs:
             self.cost.update(rows or sum(vlen), verify_ms)
         drafted = max((len(p.tokens) for p in props if not p.copied), default=0)   # by a model
-        modelled = {r.rid for r, p in zip(reqs, props) if p.tokens and not p.copied}
+        modelled = set(self._modelled(reqs, props))
         # steady: every request drafted for also drafted the step before, so the drafter caught up on nothing (a
         # model drafter first prefills the text it has not seen: a new request's prompt, or all since its last draft)
         steady, self.drafted_last = bool(modelled) and modelled <= self.drafted_last, modelled
         if draft_ms is not None and drafted and self.exploring:     # what an exploration costs, catching up included
             self.explore_ms = (1 - self.ema) * self.explore_ms + self.ema * draft_ms if self.explore_ms else draft_ms
-        if draft_ms is not None and self.learn_costs and drafted and steady:
+        if draft_ms is not None and self.learn_costs and steady:     # steady: a model drafted
             # drafting is paid every step whatever is verified: it is the plan's fixed cost (learned from steps that
             # drafted: one without drafts says nothing about a draft's cost). Not from catch-ups: a request pays
             # one once, and a catch-up priced per drafted token (served, 4 prompts in one Propose: 89-109 ms, against
