@@ -35,6 +35,9 @@ class DraftUnavailable(Exception):
     pass
 
 
+RECONNECT_MAX_MS = 1000    # the longest the draft channel waits between connection attempts
+
+
 class CircuitBreaker:
     def __init__(self, fail_threshold: int = 3, cooldown_s: float = 2.0):
         self.fail_threshold, self.cooldown_s = fail_threshold, cooldown_s
@@ -127,8 +130,13 @@ class RemoteDrafter(Drafter):
         self.sent: dict[str, int] = {}   # sid -> rows of positions < this are on the draft server
         self.feature_bytes = 0
         self._dropped: list[str] = []
+        # reconnect within RECONNECT_MAX_MS of the draft server coming (back) up: gRPC's default backoff grows to 120 s,
+        # and calls fail at once meanwhile (served, a target that started before its draft server drafted nothing
+        # for the first 12-20 s of a run)
         opts = [("grpc.max_receive_message_length", max_message_mb << 20),
-                ("grpc.max_send_message_length", max_message_mb << 20)]
+                ("grpc.max_send_message_length", max_message_mb << 20),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
         if tls_ca:
             creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca))
             self.channel = grpc.secure_channel(address, creds, options=opts)
