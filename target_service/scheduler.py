@@ -449,7 +449,7 @@ class Scheduler:
         if self.metrics:
             self.metrics.observe_step(batch, info, p.step_s + (now - t_commit))
         if self.trace:
-            self.trace.write([j.req for j in batch], info, commit_ms=(now - t_commit) * 1e3, planner=self.planner)
+            self.trace.write([j.req for j in batch], info, commit_ms=(now - t_commit) * 1e3)
         for j, good, toks in zip(batch, ok, info.emitted):
             if not good:
                 j.events.put_nowait(Event([], "", error="request is owned by another target instance"))

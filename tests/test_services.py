@@ -13,7 +13,6 @@ from openai import AsyncOpenAI, BadRequestError, OpenAI
 
 from specdec.engine.engine import Engine
 from specdec.generate import Request, generate
-from specdec.speculative.plan import CostPlanner
 from specdec.speculative.sampling import SamplingParams
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
@@ -89,9 +88,6 @@ def test_default_cost_planner_keeps_outputs_exact(tmp, draft, lm):
         for (prompt, temp, seed), r in zip(jobs, got):
             params = SamplingParams() if temp == 0 else SamplingParams(temperature=temp, seed=seed)
             assert r.choices[0].text == reference(lm, lm.tokenizer.encode(prompt), 40, params)[0], (prompt, temp)
-        # the trace records the planner's state after each step, at that step's batch size class
-        plans = [(json.loads(x)["batch"], json.loads(x)["plan"]) for x in t.trace.read_text().splitlines()]
-        assert plans and all(p["class"] == CostPlanner.batch_class(b) and p["pays"] > 0 for b, p in plans)
     finally:
         t.kill()
 

@@ -56,10 +56,8 @@ class TraceWriter:
     def __init__(self, f: TextIO):
         self.f, self.step = f, 0
 
-    def write(self, reqs: list[SpecRequest], info: StepInfo, commit_ms: float | None = None, planner=None) -> None:
-        """planner: one with a `state()` (CostPlanner) has it recorded, after this step's observation."""
+    def write(self, reqs: list[SpecRequest], info: StepInfo, commit_ms: float | None = None) -> None:
         t = time.time()
-        plan = planner.state() if hasattr(planner, "state") else None
         for i, r in enumerate(reqs):
             self.f.write(json.dumps({
                 "step": self.step, "t": round(t, 4), "request": r.rid, "batch": len(reqs), "gamma": r.gamma,
@@ -68,7 +66,7 @@ class TraceWriter:
                 "mode": r.mode.value, "seeded": r.params.seed is not None, "draft_ok": info.draft_ok,
                 "draft_ms": round(info.draft_ms, 3), "verify_ms": round(info.verify_ms, 3),
                 "accept_ms": round(info.accept_ms, 3),
-                "commit_ms": None if commit_ms is None else round(commit_ms, 3), "plan": plan}) + "\n")
+                "commit_ms": None if commit_ms is None else round(commit_ms, 3)}) + "\n")
         self.step += 1
 
 
@@ -110,7 +108,7 @@ class SpeculativeGenerator:
                                         plan=self.plan, tree_rows=self.tree_rows)
                 self.steps.append(info)
                 if self.trace:
-                    self.trace.write([reqs[i] for i in active], info, planner=self.plan)
+                    self.trace.write([reqs[i] for i in active], info)
                 for i, toks in zip(active, info.emitted):
                     if requests[i].stop and self._hit_stop(reqs[i], requests[i].stop, texts, i):
                         reqs[i].finish_reason = "stop"

@@ -34,9 +34,6 @@ from .tree import as_leaves, leaf_candidates
 
 
 # -- SPS: verify cost by packed row count ----------------------------------------------------------------------------
-RISE_CAP = 1.25            # the most one verify's time counts over its row count's estimate (CostTable.update)
-
-
 @dataclasses.dataclass
 class CostTable:
     rows: list[int]              # measured row counts, ascending
@@ -63,14 +60,11 @@ class CostTable:
         toward it, and points not measured yet keep their profiled ratio to the nearest measured one. A start-up
         profile taken on a busy machine is too high at every row count: with only the measured point corrected (served:
         1 row profiled at 111 ms, run at 15; 2 and 4 rows left at 111) a second row looked 7x dearer than the first,
-        and no draft was verified again. A rise counts at most RISE_CAP over the point's estimate: served, one 16-row
-        verify took 214 ms (another ~45), which smoothed in made a plain step look twice as dear, and 16 requests
-        then drafted at once (a 859 ms Propose); a lasting rise is still followed within a few dozen steps."""
+        and no draft was verified again."""
         if n not in self.rows:
             return
         i = self.rows.index(n)
-        was = self.measured.get(i, self.profiled[i])
-        self.measured[i] = (1 - ema) * was + ema * min(ms, RISE_CAP * was)
+        self.measured[i] = (1 - ema) * self.measured.get(i, self.profiled[i]) + ema * ms
         out = []
         for k, p in enumerate(self.profiled):
             j = k if k in self.measured else \
@@ -219,7 +213,6 @@ def best_gamma(alpha: float, c: float, gamma_max: int, gamma_min: int = 1) -> in
 
 EXPLORE_SHARE = 0.02       # the most of the time exploration may take while drafting does not pay
 MEASURED_AFTER = 8         # steps of each kind at a batch size class before their measured rates decide
-CLEAR_LOSS = (3, 0.5)      # ... or this many steps of a kind that emitted under this share of plain steps' tokens/ms
 
 
 class CostPlanner:
@@ -228,13 +221,8 @@ class CostPlanner:
     def __init__(self, cost: CostTable, *, fixed_ms: float = 0.0, draft_ms_per_token: float = 0.0,
                  adaptive_gamma: bool = True, calibration: Calibration | None = None, ema: float = 0.2,
                  learn_costs: bool = True, explore_every: int = 8):
-        self.cost, self.learn_costs = cost, learn_costs
-        # drafting's (ms a step, ms a drafted slot) per batch size class, learned from steady steps (observe); the
-        # given costs stand where no class has been learned yet
-        self.draft_costs: dict[int, tuple[float, float]] = {}
-        self.steady_n: dict[int, int] = {}      # steady steps each class learned them from
-        self.gamma_most = 1                     # the longest block a request asked for (best_case's for the batch)
-        self.given_costs = (fixed_ms, draft_ms_per_token)
+        self.cost, self.fixed_ms, self.draft_ms = cost, fixed_ms, draft_ms_per_token
+        self.learn_costs = learn_costs
         self.adaptive_gamma, self.cal, self.ema = adaptive_gamma, calibration or Calibration(), ema
         # copied blocks: P(accept) at each slot, apart from the model's. Fading: how often a copy is right depends on
         # the text (HumanEval's answers copy the prompt, chat's rarely); with counts kept for good, a served HumanEval
@@ -259,7 +247,7 @@ class CostPlanner:
         self.predicted_pays = 1.0
         self.realized: dict[tuple[int, str], float] = {}
         self.realized_n: dict[tuple[int, str], int] = {}
-        self.batch = 1                        # the coming step's batch (begin()): the class gamma() decides for
+        self.batch = 1                        # the latest step's batch: the class gamma() decides for
 
     @staticmethod
     def batch_class(B: int) -> int:
@@ -270,46 +258,21 @@ class CostPlanner:
 
     def _measured(self, kind: str) -> float | None:
         """Tokens/ms of `kind` steps over plain steps at the current batch size class, once each has run there
-        MEASURED_AFTER times, or `kind` CLEAR_LOSS[0] times clearly losing. A class's first drafting step catches a
-        model drafter up on every request's prompt: served chat at 4 requests with the target's w4a8 copy drafting,
-        that step emitted 0.56 of plain steps' tokens per ms, and decided on alone it kept drafting off for the run
-        (1.03x, AL 1.12; every draft verified gives 1.20x-1.22x in process); decided on the first 4 drafting steps, too
-        (1.10x, AL 1.25); on 8, 1.22x and 1.24x."""
+        MEASURED_AFTER times. A class's first drafting step catches a model drafter up on every request's prompt:
+        served chat at 4 requests with the target's w4a8 copy drafting, that step emitted 0.56 of plain steps' tokens
+        per ms, and decided on alone it kept drafting off for the run (1.03x, AL 1.12; every draft verified gives
+        1.20x-1.22x in process); decided on the first 4 drafting steps, too (1.10x, AL 1.25); on 8, 1.22x and 1.24x."""
         k = self.batch_class(self.batch)
-        n, n_plain = self.realized_n.get((k, kind), 0), self.realized_n.get((k, "plain"), 0)
-        if min(n, n_plain) >= MEASURED_AFTER:
+        if min(self.realized_n.get((k, kind), 0), self.realized_n.get((k, "plain"), 0)) >= MEASURED_AFTER:
             return self.realized[k, kind] / max(1e-9, self.realized[k, "plain"])
-        # A clear loss decides sooner, against the cost table's plain rate until plain steps are measured: served chat
-        # at 32 requests (a batch of 16, a new request nearly every step) each drafting step with the w4a8 copy caught
-        # up on new prompts, 470 ms a step against a 61 ms plain one, and the class's 16 drafting steps took 16% of
-        # the run (0.81x).
-        ratio = self.realized.get((k, kind), 1.0) / (self.realized[k, "plain"] if n_plain >= MEASURED_AFTER else 1.0)
-        return ratio if n >= CLEAR_LOSS[0] and ratio < CLEAR_LOSS[1] else None
-
-    def _draft_cost(self) -> tuple[float, float]:
-        """Drafting's (ms a step, ms a drafted slot) at the current batch size class: learned there, else at the
-        nearest smaller class learned, else the given costs. Per class since a model drafts a row per request: the
-        target's w4a8 copy, served chat, ~45 ms for 4 slots at 4 requests and 88-126 ms at 16; one smoothed cost
-        moved between the two as the batch did. Never a larger class's: priced at 16 requests' cost, a lone request
-        got gamma 0 and never drafted two steps running, which is how a class learns its own."""
-        k = self.batch_class(self.batch)
-        below = [j for j in self.draft_costs if j <= k]
-        return self.draft_costs[max(below)] if below else self.given_costs
-
-    @property
-    def fixed_ms(self) -> float:
-        return self._draft_cost()[0]
-
-    @property
-    def draft_ms(self) -> float:
-        return self._draft_cost()[1]
+        return None
 
     @property
     def draft_pays(self) -> float:
         """Tokens/ms with the model drafting over without at the current batch size: measured once both kinds of step
-        have run at its class, else predicted (at most the best case)."""
+        have run at its class, else predicted."""
         measured = self._measured("draft")
-        return min(self.predicted_pays, self.best_case(self.gamma_most)) if measured is None else measured
+        return self.predicted_pays if measured is None else measured
 
     @property
     def copies_pay(self) -> float:
@@ -321,20 +284,6 @@ class CostPlanner:
         measured = self._measured("copy")
         return 1.0 if measured is None else measured
 
-    def state(self) -> dict:
-        """What decides drafting at the latest step's batch size class (the trace records it each step)."""
-        r = lambda x: None if x is None else round(x, 3)
-        return {"class": self.batch_class(self.batch), "pays": r(self.draft_pays), "predicted": r(self.predicted_pays),
-                "measured": r(self._measured("draft")), "fixed_ms": r(self.fixed_ms), "slot_ms": r(self.draft_ms),
-                "drafted": len(self.drafted_last), "exploring": self.exploring,
-                "steady": self.steady_n.get(self.batch_class(self.batch), 0)}
-
-    def begin(self, reqs) -> None:
-        """The coming step's batch: gamma() decides for its class. (It decided for the latest step's: served chat at 16
-        requests, a round's 16 new requests arrived after the last one of the round before had drafted alone, and
-        all 16 drafted, catching the draft model up on 16 prompts, 360-450 ms, where drafting did not pay.)"""
-        self.batch = len(reqs)
-
     def gamma(self, r) -> int:
         """Block length to ask the drafter for: adaptive to the request's acceptance history, 0 (no draft) when
         its acceptance does not pay for the drafting, except on exploration steps (one in `explore_every`, the same
@@ -344,10 +293,7 @@ class CostPlanner:
         # a new request starts from what other requests' drafts measured (it used to draft a full block until its
         # own first verified draft: at 32 concurrent 64-token requests some new one drafted nearly every step)
         alpha = self.alpha.get(r.rid, self.alpha_prior)
-        self.gamma_most = max(self.gamma_most, r.gamma)
-        if self.best_case(r.gamma) <= 1:
-            return 0
-        c = self.draft_ms / max(1e-9, self.cost(self.batch))     # a slot for every request against a plain step
+        c = self.draft_ms / max(1e-9, self.cost(1))
         g = min(r.gamma, best_gamma(alpha, c, r.gamma, gamma_min=0)) if self.draft_pays >= 1 else 0
         if g > 0:
             self.undrafted.pop(r.rid, None)
@@ -369,19 +315,6 @@ class CostPlanner:
         self.explore.add(r.rid)
         # explore at the block length drafting would use, so the measured drafting steps are representative
         return min(r.gamma, best_gamma(alpha, c, r.gamma))
-
-    def best_case(self, gamma: int) -> float:
-        """Tokens/ms with the model drafting over without at the current batch size class if every draft were
-        accepted (the best block up to `gamma`: B * (1 + g) tokens for g slots' drafting and a verify of B * (1 + g)
-        rows), by the class's own drafting cost; inf before its first steady step. Below 1 the model drafts nothing
-        at the class, explorations included: an exploration first catches the draft model up on a request's whole
-        text (served chat at 16 requests, the target's w4a8 copy: 41-108 ms against a 26-48 ms plain step) to
-        verify one draft row, which could not pay there even if accepted."""
-        k = self.batch_class(self.batch)
-        if not self.steady_n.get(k):
-            return math.inf
-        B, slot = max(1, self.batch), self.draft_costs[k][1]
-        return max(B * (1 + g) / (g * slot + self.cost(B * (1 + g))) for g in range(1, gamma + 1)) / (B / self.cost(B))
 
     def explore_period(self) -> int:
         """Steps between explorations while drafting does not pay: 4 * explore_every, or more where that would spend
@@ -490,12 +423,8 @@ class CostPlanner:
             # drafted: one without drafts says nothing about a draft's cost). Not from catch-ups: a request pays
             # one once, and a catch-up priced per drafted token (served, 4 prompts in one Propose: 89-109 ms, against
             # 40-53 for 4 slots after) gave every request gamma 0 at once. The batch's measured rates below count them.
-            # A class's first steady step sets its costs: smoothed up from 0, they said drafting was nearly free for
-            # its first ~5 steps.
-            k, now = self.batch_class(len(reqs)), (draft_ms, draft_ms / drafted)
-            was = self.draft_costs.get(k, now)
-            self.steady_n[k] = self.steady_n.get(k, 0) + 1
-            self.draft_costs[k] = tuple((1 - self.ema) * w + self.ema * n for w, n in zip(was, now))
+            self.fixed_ms = (1 - self.ema) * self.fixed_ms + self.ema * draft_ms
+            self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
         if draft_ms is not None and verify_ms is not None and reqs:
             B = self.batch = len(reqs)
             rate = (B + sum(accepted) + leaves_kept) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))
