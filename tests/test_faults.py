@@ -269,7 +269,8 @@ def test_a_draft_server_coming_up_late_is_reached_within_a_second():
 
     from target_service.draft_client import RECONNECT_MAX_MS, RemoteDrafter
     port = free_port()
-    stub = health_pb2_grpc.HealthStub(RemoteDrafter(f"127.0.0.1:{port}", vocab_size=8).channel)
+    drafter = RemoteDrafter(f"127.0.0.1:{port}", vocab_size=8)
+    stub = health_pb2_grpc.HealthStub(drafter.channel)
 
     def answers() -> bool:
         try:
@@ -288,6 +289,7 @@ def test_a_draft_server_coming_up_late_is_reached_within_a_second():
         assert wait_for(answers, timeout=30, every=0.1) < RECONNECT_MAX_MS / 1e3 + 1.0
     finally:
         server.stop(None)
+        drafter.close()
 
 
 # -- 2. Redis SIGKILLed mid-run and restarted --------------------------------------------------------------------------
