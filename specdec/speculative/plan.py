@@ -213,6 +213,7 @@ def best_gamma(alpha: float, c: float, gamma_max: int, gamma_min: int = 1) -> in
 
 EXPLORE_SHARE = 0.02       # the most of the time exploration may take while drafting does not pay
 MEASURED_AFTER = 8         # steps of each kind at a batch size class before their measured rates decide
+CLEAR_LOSS = (3, 0.5)      # ... or this many steps of a kind that emitted under this share of plain steps' tokens/ms
 
 
 class CostPlanner:
@@ -247,7 +248,7 @@ class CostPlanner:
         self.predicted_pays = 1.0
         self.realized: dict[tuple[int, str], float] = {}
         self.realized_n: dict[tuple[int, str], int] = {}
-        self.batch = 1                        # the latest step's batch: the class gamma() decides for
+        self.batch = 1                        # the coming step's batch (begin()): the class gamma() decides for
 
     @staticmethod
     def batch_class(B: int) -> int:
@@ -258,14 +259,21 @@ class CostPlanner:
 
     def _measured(self, kind: str) -> float | None:
         """Tokens/ms of `kind` steps over plain steps at the current batch size class, once each has run there
-        MEASURED_AFTER times. A class's first drafting step catches a model drafter up on every request's prompt:
-        served chat at 4 requests with the target's w4a8 copy drafting, that step emitted 0.56 of plain steps' tokens
-        per ms, and decided on alone it kept drafting off for the run (1.03x, AL 1.12; every draft verified gives
-        1.20x-1.22x in process); decided on the first 4 drafting steps, too (1.10x, AL 1.25); on 8, 1.22x and 1.24x."""
+        MEASURED_AFTER times, or `kind` CLEAR_LOSS[0] times clearly losing. A class's first drafting step catches a
+        model drafter up on every request's prompt: served chat at 4 requests with the target's w4a8 copy drafting,
+        that step emitted 0.56 of plain steps' tokens per ms, and decided on alone it kept drafting off for the run
+        (1.03x, AL 1.12; every draft verified gives 1.20x-1.22x in process); decided on the first 4 drafting steps, too
+        (1.10x, AL 1.25); on 8, 1.22x and 1.24x."""
         k = self.batch_class(self.batch)
-        if min(self.realized_n.get((k, kind), 0), self.realized_n.get((k, "plain"), 0)) >= MEASURED_AFTER:
+        n, n_plain = self.realized_n.get((k, kind), 0), self.realized_n.get((k, "plain"), 0)
+        if min(n, n_plain) >= MEASURED_AFTER:
             return self.realized[k, kind] / max(1e-9, self.realized[k, "plain"])
-        return None
+        # A clear loss decides sooner, against the cost table's plain rate (1) until plain steps are measured: served
+        # chat at 32 requests with the w4a8 copy (a batch of 16, a new request nearly every step, so every drafting
+        # step caught up on new prompts: ~470 ms against a ~60 ms plain step), the class's first 16 drafting steps
+        # took 16% of the run (0.81x).
+        ratio = self.realized.get((k, kind), 1.0) / (self.realized[k, "plain"] if n_plain >= MEASURED_AFTER else 1.0)
+        return ratio if n >= CLEAR_LOSS[0] and ratio < CLEAR_LOSS[1] else None
 
     @property
     def draft_pays(self) -> float:
@@ -283,6 +291,13 @@ class CostPlanner:
         than a group (a 50-token prompt: 35 ms alone, 25 ms each in a group of 2-16)."""
         measured = self._measured("copy")
         return 1.0 if measured is None else measured
+
+    def begin(self, reqs) -> None:
+        """The coming step's batch: gamma() decides for its class. (It decided for the latest step's: served chat at
+        32 requests with the w4a8 copy, a round's first 10 requests arrived after the round before had ended at a
+        batch of 1-4, where drafting paid, and all of them drafted at once, catching the draft model up on their
+        prompts: 591 ms against a 45 ms plain step, at a batch size where drafting had been measured not to pay.)"""
+        self.batch = len(reqs)
 
     def gamma(self, r) -> int:
         """Block length to ask the drafter for: adaptive to the request's acceptance history, 0 (no draft) when

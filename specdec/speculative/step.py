@@ -84,7 +84,8 @@ def plan_full(reqs: list[SpecRequest], props: list[Proposal]) -> list[int]:
 
 
 # A planner is called with (requests, proposals) and returns verify_len per request; optionally it has
-# gamma(request) (block length to draft) and observe(requests, proposals, verify_len, accepted) (see speculative/plan.py).
+# begin(requests) (the coming step's batch), gamma(request) (block length to draft) and observe(requests, proposals,
+# verify_len, accepted) (see speculative/plan.py).
 Planner = Callable[[list[SpecRequest], list[Proposal]], list[int]]
 
 
@@ -122,6 +123,7 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
     leaf rows beside the chains (speculative/tree.py), where the backend runs them and proposals carry alternatives."""
     t0 = time.perf_counter()
     # 1. propose: one batched call; each request sends what was committed since its last call
+    getattr(plan, "begin", lambda reqs: None)(reqs)    # the batch its blocks are decided for
     block = getattr(plan, "gamma", lambda r: r.gamma)  # a planner may shorten blocks (adaptive gamma), or skip them
     blocks = {r.rid: block(r) for r in reqs if r.gamma > 0}       # gamma 0: speculation off for this request
     # a drafter that copies from the context first is asked at the full block length (a copy costs nothing), unless
