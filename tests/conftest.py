@@ -1,4 +1,5 @@
 import os
+import random
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -95,10 +96,36 @@ def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = map(int, f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999                      # Linux's default range
+
+
+_ports = random.Random(os.getpid())
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. A port the kernel hands out (bind to 0) is free now but may be
+    handed out again before the server under test binds it: a `--tp 2` target, loading for seconds, had its gRPC port
+    taken by one of its own ranks' ephemeral sockets ("Address already in use"). Below the range nothing is handed out,
+    so only another explicit choice could take it."""
+    lo = _ephemeral_ports()[0]
+    if lo < 3072:                                # no room below the range: the kernel's choice it is
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    while True:
+        port = _ports.randrange(max(1024, lo - 20000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def _redis_answers(port: int) -> bool:
