@@ -96,15 +96,15 @@ def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(1, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _ephemeral_ports() -> tuple[int, int]:
+def _ephemeral_low() -> int:
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = map(int, f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999                      # Linux's default range
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                             # Linux's default range starts here
 
 
+_EPHEMERAL_LOW = _ephemeral_low()          # the kernel hands out ports from here up
 _ports = random.Random(os.getpid())
 
 
@@ -113,7 +113,7 @@ def free_port() -> int:
     handed out again before the server under test binds it: a `--tp 2` target, loading for seconds, had its gRPC port
     taken by one of its own ranks' ephemeral sockets ("Address already in use"). Below the range nothing is handed out,
     so only another explicit choice could take it."""
-    lo = _ephemeral_ports()[0]
+    lo = _EPHEMERAL_LOW
     if lo < 3072:                                # no room below the range: the kernel's choice it is
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -302,6 +302,18 @@ def test_one_lucky_drafting_step_does_not_keep_drafting_on():
     assert planner.draft_pays < 1 and planner.gamma(reqs[0]) == 0
 
 
+def _teach_pays_alone_not_at_16(planner: CostPlanner, one, many) -> None:
+    """MEASURED_AFTER steps of each kind at one request (drafting pays: verify rows nearly free) and at 16 (it does not),
+    by CostTable.linear(20.0, 1.0); the latest step has 16 requests."""
+    from specdec.speculative.propose import Proposal
+    d = lambda n, a: ([Proposal(1, [2] * 4, [0.9] * 4)] * n, [5] * n, [a] * n)
+    for _ in range(MEASURED_AFTER):
+        planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)      # 1 token / 21 ms
+        planner.observe(one, *d(1, 3), draft_ms=2.0, verify_ms=25.0)                             # 4 tokens / 27 ms
+        planner.observe(many, [Proposal(1, [], [])] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=36.0)
+        planner.observe(many, *d(16, 1), draft_ms=25.0, verify_ms=100.0)                          # 32 tokens / 125 ms
+
+
 def test_what_pays_at_batch_1_is_not_taken_for_batch_16():
     """Drafting's measured rates are kept per batch size class: a batch-1 step that paid (verify rows nearly free)
     does not keep 16 requests drafting, and the losing batch-16 steps do not stop drafting at batch 1."""
@@ -314,12 +326,7 @@ def test_what_pays_at_batch_1_is_not_taken_for_batch_16():
     for r in reqs:
         planner.alpha[r.rid] = 0.9
     one, many = reqs[:1], reqs
-    d = lambda n, a: ([Proposal(1, [2] * 4, [0.9] * 4)] * n, [5] * n, [a] * n)
-    for _ in range(MEASURED_AFTER):
-        planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)      # 1 token / 21 ms
-        planner.observe(one, *d(1, 3), draft_ms=2.0, verify_ms=25.0)                             # 4 tokens / 27 ms
-        planner.observe(many, [Proposal(1, [], [])] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=36.0)
-        planner.observe(many, *d(16, 1), draft_ms=25.0, verify_ms=100.0)                          # 32 tokens / 125 ms
+    _teach_pays_alone_not_at_16(planner, one, many)
     assert planner.draft_pays < 1 and planner.gamma(reqs[0]) == 0       # the latest step had 16 requests
     planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)
     assert planner.draft_pays > 2 and planner.gamma(reqs[0]) == 4       # alone again: drafting pays
@@ -533,12 +540,8 @@ def test_blocks_are_decided_for_the_coming_steps_batch():
     V = target.cfg.vocab_size
     planner = CostPlanner(CostTable.linear(20.0, 1.0), learn_costs=False)
     one, many = _reqs(1, 0.9, planner), _reqs(16, 0.9, planner, first=1)
-    d = lambda n, a: ([Proposal(1, [2] * 4, [0.9] * 4)] * n, [5] * n, [a] * n)
-    for _ in range(MEASURED_AFTER):          # drafting pays alone, not at 16 (test_what_pays_at_batch_1_...)
-        planner.observe(many, [Proposal(1, [], [])] * 16, [1] * 16, [0] * 16, draft_ms=0.0, verify_ms=36.0)
-        planner.observe(many, *d(16, 1), draft_ms=25.0, verify_ms=100.0)
-        planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)
-        planner.observe(one, *d(1, 3), draft_ms=2.0, verify_ms=25.0)
+    _teach_pays_alone_not_at_16(planner, one, many)
+    planner.observe(one, [Proposal(1, [], [])], [1], [0], draft_ms=0.0, verify_ms=21.0)
     assert planner.draft_pays > 1                                           # the latest step had one request
     drafter, asked = ModelDrafter(draft), []
     ask = drafter.propose
