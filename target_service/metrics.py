@@ -53,6 +53,10 @@ class Metrics:
                                     "Commit attempts that failed because the state store was unavailable.")
         self.store_round_trips = Gauge("specdec:store_round_trips", "Network round trips to the state store so far.",
                                        ["model_name"], registry=r).labels(**lab)
+        self.feature_rows_recomputed = Gauge(
+            "specdec:draft_feature_rows_recomputed", "Hidden-state rows the target recomputed to send a block draft "
+            "server, for text it had run before it tapped the layers (the draft server named them after).",
+            ["model_name"], registry=r).labels(**lab)
         self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", ["model_name"],
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
         self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between streamed tokens.", ["model_name"],

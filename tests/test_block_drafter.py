@@ -2,6 +2,7 @@
 vocabulary and zero elsewhere; greedy and coupled outputs equal plain decoding token for token; training lowers the
 loss and a resumed run ends bitwise where an uninterrupted one does."""
 import copy
+import json
 import time
 
 import pytest
@@ -531,6 +532,46 @@ def test_warm_up_leaves_both_sides_ready_and_no_session(tiny, trained, tmp_path)
         srv.close()
     dead = RemoteDrafter(f"127.0.0.1:{srv.port}", V, deadline_s=0.5)
     assert warm_up(dead, V) is None
+
+
+def test_a_target_up_before_its_block_draft_server_taps_the_layers_once_it_answers(trained, tmp_path):
+    """`make run`'s target is up ~30 s before its block draft server: its warm-up found nobody answering and was not
+    tried again, so it learned which layers to send only at the first request's Propose, and every prompt prefilled
+    before that was recomputed (served chat at 32 requests: 770 rows, 0.85 s of the first drafting steps). The warm-up
+    is retried while the target serves: once the draft server answers, the target taps the layers, and a request
+    after that drafts with nothing recomputed (the target's metric)."""
+    import httpx
+
+    from .conftest import free_port
+    from .stack import Draft, Target
+    from .test_faults import wait_for
+
+    def recomputed() -> float:
+        text = httpx.get(t.url + "/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("specdec:draft_feature_rows_recomputed{"))
+
+    port = free_port()
+    t = Target(tmp_path, draft=f"127.0.0.1:{port}").up()
+    d = None
+    try:
+        assert "drafter warm-up: failed" in t.tail(200) and recomputed() == 0
+        d = Draft(tmp_path, "block", port=port,
+                  extra=["--target-model", "tiny-llama", "--draft-checkpoint", str(trained["block"][1])]).up()
+        wait_for(lambda: "(try " in t.tail(200), timeout=30)
+        warm = recomputed()                      # the warm-up's own throwaway context, which the target never ran
+        for k in range(3):
+            r = httpx.post(t.url + "/v1/completions", timeout=60,
+                           json={"prompt": f"a prompt {k} of some length, longer than the window", "max_tokens": 16,
+                                 "temperature": 0})
+            assert r.status_code == 200, r.text
+        steps = [json.loads(line) for line in open(t.trace)]
+        assert sum(s["verify_len"] - 1 for s in steps) > 0            # drafts were verified: features were sent
+        assert recomputed() == warm
+    finally:
+        t.kill()
+        if d is not None:
+            d.kill()
 
 
 def test_block_drafter_dtype_follows_the_cpus_bf16(trained, monkeypatch):
