@@ -552,3 +552,63 @@ def test_blocks_are_decided_for_the_coming_steps_batch():
     outs = gen.generate([GenRequest(p, max_tokens=3) for p in prompts])
     assert [o.tokens for o in outs] == [o.tokens for o in ref]
     assert gen.steps[0].verify_len == [1] * 16 and sum(asked) == 0          # 16 requests: no drafting
+
+
+def test_lookups_the_plan_never_uses_stop_where_they_cost():
+    """Served chat at a batch of 17-32: every step looked up (2.1 ms of a ~52 ms forward) and the plan verified no copy
+    in 376 of 377 steps; with no step that verified copies, they were never measured not to pay, and the lookups went
+    on all run. After UNUSED_LOOKUPS[0] such lookups in a row at a batch size class, each over UNUSED_LOOKUPS[1] of a
+    forward, the drafter is asked only on every 4th exploration step; a verified copy turns them back on, and cheap
+    lookups (in process: ~0.05 ms) are asked every step whatever they find."""
+    from specdec.speculative.plan import UNUSED_LOOKUPS
+    from specdec.speculative.propose import Proposal
+    planner = CostPlanner(CostTable([1, 16, 32], [20.0, 30.0, 40.0]), learn_costs=False)
+    reqs, none = _reqs(16, 0.9, planner), [Proposal(1, [], [])] * 16
+    copy = [Proposal(1, [2] * 4, [0.9] * 4, copied=True)] + none[1:]
+
+    def run(steps: int, draft_ms: float, props=none, vlen=None) -> list[int]:
+        asked = []
+        for _ in range(steps):
+            planner.begin(reqs)
+            if planner.copies_wanted():
+                asked.append(planner.steps + 1)
+            planner(reqs, props)
+            planner.observe(reqs, props, vlen or [1] * 16, [0] * 16, draft_ms=draft_ms if asked and
+                            asked[-1] == planner.steps else 0.0, verify_ms=30.0, looked_up=bool(asked) and
+                            asked[-1] == planner.steps)
+        return asked
+
+    assert len(run(100, 0.05)) == 100                                   # cheap: 0.2% of a forward
+    asked = run(UNUSED_LOOKUPS[0] + 4 * planner.explore_every, 2.0)     # dear: 6.7% of a forward
+    assert len(asked) == UNUSED_LOOKUPS[0] + 1 and asked[-1] % (4 * planner.explore_every) == 0
+    assert run(1, 2.0, copy, [5] + [1] * 15) == []                      # not asked (a copy of another step)
+    planner.observe(reqs, copy, [5] + [1] * 15, [3] + [0] * 15, draft_ms=2.0, verify_ms=31.0, looked_up=True)
+    assert len(run(UNUSED_LOOKUPS[0], 2.0)) == UNUSED_LOOKUPS[0]       # a verified copy: asked again
+    planner.begin(reqs[:1])                                             # batch 1: its own count, none yet
+    assert planner.copies_wanted()
+
+
+def test_a_step_that_asks_a_looking_up_drafter_says_so():
+    """speculative_step tells the planner whether it asked the drafter to look up: lookups that found nothing (on
+    text that rarely repeats, most) are counted, and output stays plain decoding's."""
+    from specdec.draft.ngram import NgramDrafter
+    target = load("tiny-llama").model
+    V = target.cfg.vocab_size
+    prompts = [[1 + (i * 5 + k * k) % (V - 1) for k in range(12)] for i in range(2)]
+    ref = SpeculativeGenerator(Engine(target), None).generate([GenRequest(p, max_tokens=30) for p in prompts])
+
+    class ModelOff(CostPlanner):
+        seen: list[bool] = []
+
+        def gamma(self, r):
+            return 0
+
+        def observe(self, reqs, props, vlen, accepted, **kw):
+            self.seen.append(kw.get("looked_up", False) and not any(p.tokens for p in props))
+            super().observe(reqs, props, vlen, accepted, **kw)
+    drafter = NgramDrafter()
+    planner = ModelOff(CostTable.linear(1.0, 0.01))
+    gen = SpeculativeGenerator(Engine(target), drafter, gamma=4, plan=planner)
+    outs = gen.generate([GenRequest(p, max_tokens=30) for p in prompts])
+    assert [o.tokens for o in outs] == [o.tokens for o in ref]
+    assert any(planner.seen)                       # steps that looked up and found nothing were told so

@@ -214,6 +214,7 @@ def best_gamma(alpha: float, c: float, gamma_max: int, gamma_min: int = 1) -> in
 EXPLORE_SHARE = 0.02       # the most of the time exploration may take while drafting does not pay
 MEASURED_AFTER = 8         # steps of each kind at a batch size class before their measured rates decide
 CLEAR_LOSS = (3, 0.5)      # ... or this many steps of a kind that emitted under this share of plain steps' tokens/ms
+UNUSED_LOOKUPS = (8, 0.02)  # lookups in a row that gave the plan no copy, each costing over this share of a forward
 
 
 class CostPlanner:
@@ -249,6 +250,7 @@ class CostPlanner:
         self.realized: dict[tuple[int, str], float] = {}
         self.realized_n: dict[tuple[int, str], int] = {}
         self.batch = 1                        # the coming step's batch (begin()): the class gamma() decides for
+        self.unused_lookups: dict[int, int] = {}   # per class: lookups in a row, each dear, that verified no copy
 
     @staticmethod
     def batch_class(B: int) -> int:
@@ -345,8 +347,14 @@ class CostPlanner:
 
     def copies_wanted(self) -> bool:
         """Whether the coming step plans copied blocks: speculative_step asks a drafter that looks up only then for
-        requests whose model block is 0 (served chat at 16 requests, looking up cost 0.35 ms a step, ~1%)."""
-        return self._copies_on(self.steps + 1)
+        requests whose model block is 0 (served chat at 16 requests, looking up cost 0.35 ms a step, ~1%). Nor where
+        the latest UNUSED_LOOKUPS[0] lookups at this batch size each cost over UNUSED_LOOKUPS[1] of a forward and had
+        no copy verified, but on every 4th exploration step: served chat at a batch of 17-32, every step looked up
+        (2.1 ms of a ~52 ms forward) and the plan verified no copy in 376 of 377 steps; with no step that verified
+        copies, they were never measured not to pay (copies_pay), and the lookups went on for the whole run (0.96x)."""
+        step = self.steps + 1
+        unused = self.unused_lookups.get(self.batch_class(self.batch), 0) >= UNUSED_LOOKUPS[0]
+        return self._copies_on(step) and (not unused or step % (4 * self.explore_every) == 0)
 
     def floors(self, reqs, caps: list[int]) -> list[int]:
         """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
@@ -421,9 +429,10 @@ class CostPlanner:
 
     def observe(self, reqs, props: list[Proposal], vlen: list[int], accepted: list[int],
                 draft_ms: float | None = None, verify_ms: float | None = None, rows: int | None = None,
-                leaves_kept: int = 0) -> None:
+                leaves_kept: int = 0, looked_up: bool = False) -> None:
         """accepted: each chain's accepted drafts (the calibration's evidence); rows: the forward's rows (verify-tree
-        leaves included); leaves_kept: tokens the leaves added (speculative/tree.py)."""
+        leaves included); leaves_kept: tokens the leaves added (speculative/tree.py); looked_up: a drafter was asked
+        to copy blocks from the context (a copied proposal says so too)."""
         if verify_ms is not None and self.learn_costs:
             self.cost.update(rows or sum(vlen), verify_ms)
         drafted = max((len(p.tokens) for p in props if not p.copied), default=0)   # by a model
@@ -440,6 +449,12 @@ class CostPlanner:
             # 40-53 for 4 slots after) gave every request gamma 0 at once. The batch's measured rates below count them.
             self.fixed_ms = (1 - self.ema) * self.fixed_ms + self.ema * draft_ms
             self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
+        if reqs and (looked_up or any(p.copied for p in props)):
+            k = self.batch_class(len(reqs))
+            if any(p.copied and v > 1 for p, v in zip(props, vlen)):
+                self.unused_lookups[k] = 0
+            elif not drafted and draft_ms is not None and draft_ms > UNUSED_LOOKUPS[1] * self.cost(len(reqs)):
+                self.unused_lookups[k] = self.unused_lookups.get(k, 0) + 1
         if draft_ms is not None and verify_ms is not None and reqs:
             B = self.batch = len(reqs)
             rate = (B + sum(accepted) + leaves_kept) / max(1e-9, draft_ms + verify_ms) / (B / self.cost(B))

@@ -190,7 +190,8 @@ def speculative_step(target: Engine, drafter: Drafter | None, reqs: list[SpecReq
         out = accept(p, q, flat, cu_rows, [r.mode for r in reqs], [r.params.seed for r in reqs],
                      [r.committed_len for r in reqs])
     kept = _keep_leaves(target, reqs, vlen, logits, drafts, leaves, out)
-    return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill), kept)
+    return _commit(target, reqs, props, vlen, plan, out, draft_ok, rows, t0, t1, t2, bool(prefill), kept,
+                   looked_up=copies and bool(answers))
 
 
 def _keep_leaves(target, reqs, vlen, logits, drafts, leaves, out) -> list[bool]:
@@ -227,11 +228,13 @@ def _step_by_tokens(target, reqs: list[SpecRequest], props: list[Proposal], vlen
 
 
 def _commit(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[int], plan, out, draft_ok: bool,
-            rows: int, t0: float, t1: float, t2: float, mixed: bool = False, kept: Sequence[bool] = ()) -> StepInfo:
+            rows: int, t0: float, t1: float, t2: float, mixed: bool = False, kept: Sequence[bool] = (),
+            looked_up: bool = False) -> StepInfo:
     if hasattr(plan, "observe"):  # online calibration: confidence -> acceptance, and the draft's cost
         # a forward that also prefilled says nothing about what verifying costs
         plan.observe(reqs, props, vlen, out.num_accepted.tolist(), draft_ms=(t1 - t0) * 1e3,
-                     verify_ms=None if mixed else (t2 - t1) * 1e3, rows=rows, leaves_kept=sum(kept))
+                     verify_ms=None if mixed else (t2 - t1) * 1e3, rows=rows, leaves_kept=sum(kept),
+                     looked_up=looked_up)
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
     for i, (r, v) in enumerate(zip(reqs, vlen)):
