@@ -95,7 +95,8 @@ def parser() -> argparse.ArgumentParser:
                     default=env_flag("BATCH_INVARIANT", True),
                     help="a row's logits do not depend on the rest of the forward, so seeded output is exactly "
                          "reproducible whatever the batch (default on; off: a little faster) [SPECDEC_BATCH_INVARIANT]")
-    ap.add_argument("--max-running", type=int, default=int(env("MAX_RUNNING", 16)))
+    ap.add_argument("--max-running", type=int, default=int(env("MAX_RUNNING", 32)),
+                    help="requests in the running batch; the rest queue (default 32) [SPECDEC_MAX_RUNNING]")
     ap.add_argument("--max-queue", type=int, default=int(env("MAX_QUEUE", 64)))
     ap.add_argument("--redis-url", default=env("REDIS_URL", ""), help="empty: the embedded in-memory store")
     ap.add_argument("--redis-namespace", default=env("REDIS_NAMESPACE", "specdec"))

@@ -81,7 +81,9 @@ class Job:
 
 @dataclasses.dataclass
 class SchedulerConfig:
-    max_running: int = 16
+    # 32: served chat at 32 concurrent requests, plain decoding gave 369 tok/s at a batch of 32 against 322 at 16 (the
+    # other 16 queued); a request's steps slow down (inter-token 56 ms against 36) but it queues less
+    max_running: int = 32
     max_queue: int = 64
     layout: str = "compact"
     tree_rows: int = 0               # verify-tree leaf rows a step may add (speculative/tree.py)
