@@ -55,7 +55,7 @@ class Metrics:
                                        ["model_name"], registry=r).labels(**lab)
         self.feature_rows_recomputed = Gauge(
             "specdec:draft_feature_rows_recomputed", "Hidden-state rows the target recomputed to send a block draft "
-            "server, for text it had run before it tapped the layers (the draft server named them after).",
+            "server: text it ran before the draft server named the layers to tap, and the warm-up's own.",
             ["model_name"], registry=r).labels(**lab)
         self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", ["model_name"],
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)

@@ -567,15 +567,16 @@ def test_lookups_the_plan_never_uses_stop_where_they_cost():
     copy = [Proposal(1, [2] * 4, [0.9] * 4, copied=True)] + none[1:]
 
     def run(steps: int, draft_ms: float, props=none, vlen=None) -> list[int]:
+        """Steps as speculative_step runs them; the steps at which the drafter was asked to look up."""
         asked = []
         for _ in range(steps):
             planner.begin(reqs)
-            if planner.copies_wanted():
-                asked.append(planner.steps + 1)
+            now = planner.copies_wanted()
             planner(reqs, props)
-            planner.observe(reqs, props, vlen or [1] * 16, [0] * 16, draft_ms=draft_ms if asked and
-                            asked[-1] == planner.steps else 0.0, verify_ms=30.0, looked_up=bool(asked) and
-                            asked[-1] == planner.steps)
+            if now:
+                asked.append(planner.steps)
+            planner.observe(reqs, props, vlen or [1] * 16, [0] * 16, draft_ms=draft_ms if now else 0.0,
+                            verify_ms=30.0, looked_up=now)
         return asked
 
     assert len(run(100, 0.05)) == 100                                   # cheap: 0.2% of a forward
