@@ -66,6 +66,16 @@ def wait_grpc(addr: str, proc: Proc, timeout: float = 90) -> None:
     raise TimeoutError(f"{addr} not SERVING after {timeout}s:\n{proc.tail()}")
 
 
+def wait_for(cond, timeout: float, every: float = 0.05) -> float:
+    """Poll `cond` until true; the seconds it took. Fails after `timeout`."""
+    t0 = time.perf_counter()
+    while not cond():
+        if time.perf_counter() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(every)
+    return time.perf_counter() - t0
+
+
 def wait_http(url: str, proc: Proc, timeout: float = 90) -> None:
     end = time.time() + timeout
     while time.time() < end:

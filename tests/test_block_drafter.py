@@ -543,8 +543,7 @@ def test_a_target_up_before_its_block_draft_server_taps_the_layers_once_it_answe
     import httpx
 
     from .conftest import free_port
-    from .stack import Draft, Target
-    from .test_faults import wait_for
+    from .stack import Draft, Target, wait_for
 
     def recomputed() -> float:
         text = httpx.get(t.url + "/metrics", timeout=10).text

@@ -31,7 +31,7 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pbg
 
 from .conftest import _redis_answers, free_port
-from .stack import Target
+from .stack import Target, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -205,16 +205,6 @@ class RedisProc:
 
 def health(t: Target) -> httpx.Response:
     return httpx.get(t.url + "/health", timeout=10)
-
-
-def wait_for(cond, timeout: float, every: float = 0.05) -> float:
-    """Poll `cond` until true; the seconds it took. Fails after `timeout`."""
-    t0 = time.perf_counter()
-    while not cond():
-        if time.perf_counter() - t0 > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        time.sleep(every)
-    return time.perf_counter() - t0
 
 
 # -- 1. draft slower than the deadline ---------------------------------------------------------------------------------

@@ -340,10 +340,14 @@ class CostPlanner:
         exploration's Propose took 70-220 ms against a 40 ms step, every 32 steps, 13% of the run (0.89x)."""
         return max(4 * self.explore_every, math.ceil(self.explore_ms / (EXPLORE_SHARE * self.cost(self.batch))))
 
+    def _explores_copies(self, step: int) -> bool:
+        """Every 4th exploration step plans copied blocks whatever was measured, which keeps measuring them."""
+        return step % (4 * self.explore_every) == 0
+
     def _copies_on(self, step: int) -> bool:
         """Does step `step` plan copied blocks? Not where verifying them was measured not to pay at this batch size
-        (they are worth nothing to its plan), except on every 4th exploration step, which keeps measuring them."""
-        return self.copies_pay >= 1 or step % (4 * self.explore_every) == 0
+        (they are worth nothing to its plan), except on the steps that explore them."""
+        return self.copies_pay >= 1 or self._explores_copies(step)
 
     def copies_wanted(self) -> bool:
         """Whether the coming step plans copied blocks: speculative_step asks a drafter that looks up only then for
@@ -354,7 +358,7 @@ class CostPlanner:
         copies, they were never measured not to pay (copies_pay), and the lookups went on for the whole run (0.96x)."""
         step = self.steps + 1
         unused = self.unused_lookups.get(self.batch_class(self.batch), 0) >= UNUSED_LOOKUPS[0]
-        return self._copies_on(step) and (not unused or step % (4 * self.explore_every) == 0)
+        return self._copies_on(step) and (not unused or self._explores_copies(step))
 
     def floors(self, reqs, caps: list[int]) -> list[int]:
         """Rows each request verifies whatever the plan (CostPlanner: only its anchor)."""
