@@ -1,12 +1,13 @@
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from specdec.draft import make_drafter
 from specdec.draft.corpus import Corpus, save_corpus
 from specdec.draft.model import ModelDrafter, layer_skip, restrict_vocab
-from specdec.draft.ngram import lookup
+from specdec.draft.ngram import SuffixIndex, lookup
 from specdec.engine.engine import Engine
 from specdec.engine.layout import SeqInput
 from specdec.engine.registry import load
@@ -22,6 +23,29 @@ def test_ngram_lookup_latest_longest_match():
     assert lookup(toks, 10) == [8, 5, 1, 2, 3]   # continuation may run into the tail itself
     assert lookup([4, 5, 6, 7], 3) == []         # no repeat: nothing proposed
     assert lookup([7, 1, 7], 2) == [1, 7]        # falls back to shorter n-grams
+
+
+def test_suffix_index_gives_the_scans_answer():
+    """The per-session index answers what `lookup`'s scan of the whole context does, call after call as the list
+    grows by one token or several, and after the list is rebuilt (a session lost and resent) or cut back."""
+    rng = random.Random(0)
+    for vocab in (3, 8, 20):
+        for max_n, min_n in ((3, 2), (3, 1), (4, 2)):
+            index, toks, found = SuffixIndex(max_n, min_n), [], 0
+            for _ in range(300):
+                r = rng.random()
+                if r < 0.05 and toks:
+                    toks = toks[:rng.randrange(len(toks) // 2, len(toks))]      # cut back
+                elif r < 0.1 and toks:
+                    k = rng.randrange(1, 5)                                      # the same length, its
+                    toks = toks[:-k] + [rng.randrange(vocab) for _ in toks[-k:]]  # last k rewritten
+                else:
+                    toks = toks + [rng.randrange(vocab) for _ in range(rng.choice((1, 1, 1, 3)))]
+                gamma = rng.randrange(6)
+                want = lookup(toks, gamma, max_n, min_n)
+                assert index.continuation(toks, gamma) == want, (toks, gamma)
+                found += bool(want)
+            assert found > 25, (vocab, max_n, min_n)   # repeats are found: the index is exercised
 
 
 def test_ngram_q_is_one_hot_for_sampled_requests():
@@ -158,7 +182,7 @@ def test_hybrid_copies_where_the_context_repeats_and_drafts_elsewhere():
     assert copied == [True, False, True]
     assert asked == [[toks[:6]], [toks[6:12]]]           # the first call, then the catch-up past the copied step
     d.release("r")
-    assert "r" not in d.model.kv and "r" not in d.sessions.tokens
+    assert "r" not in d.model.kv and "r" not in d.sessions.tokens and "r" not in d.lookups[0].index
 
 
 def test_corpus_index_gives_the_scans_answer():
@@ -183,6 +207,31 @@ def test_corpus_index_gives_the_scans_answer():
     c = Corpus([1, 2, 3, 4], [2, 2], max_n=3, min_n=2)
     assert c.next([1, 2]) is None and c.next([2, 3]) is None and c.next([3, 4]) is None
     assert Corpus([1, 2, 3, 1, 2, 4, 1, 2, 3], [9], max_n=3).next([1, 2]) == (3, 2, 3)
+
+
+def test_corpus_drafts_of_a_batch_are_each_contexts_draft():
+    """`drafts` (every context at once, shortest order first, stopping at the first order missing) gives each
+    context what `draft` (one `next` at a time) does, at every min_conf, for contexts shorter than min_n too."""
+    rng = random.Random(1)
+    for vocab, max_n in ((4, 4), (30, 6)):
+        docs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 80))] for _ in range(60)]
+        corpus = Corpus([t for d in docs for t in d], [len(d) for d in docs], max_n=max_n, min_n=2)
+        ctxs = []
+        for _ in range(300):
+            d = rng.choice(docs)
+            i = rng.randrange(len(d) + 1)
+            ctxs.append(d[max(0, i - rng.randrange(0, 12)):i] if rng.random() < 0.7 else
+                        [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))])
+        for gamma, min_conf in ((1, 0.0), (4, 0.0), (6, 0.3)):
+            got = corpus.drafts(ctxs, gamma, min_conf)
+            assert got == [corpus.draft(c, gamma, min_conf) for c in ctxs]
+            assert sum(len(t) == gamma for t, _ in got) > 20 and sum(not t for t, _ in got) > 20
+    # the two-level search finds every key the table holds and no other
+    keys = corpus.keys
+    idx, hit = corpus.find(keys)
+    assert hit.all() and (idx == np.arange(keys.size)).all()
+    _, hit = corpus.find(keys + np.uint64(1))
+    assert not hit[np.isin(keys + np.uint64(1), keys, invert=True)].any()
 
 
 def test_corpus_drafts_extend_the_longest_match_and_stop_where_none_holds():

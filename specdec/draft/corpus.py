@@ -24,6 +24,7 @@ from .ngram import LookupDrafter
 
 _MUL = 0x9E3779B97F4A7C15      # odd 64-bit multiplier: a context's hash is a polynomial in it, nearest token first
 _MASK = (1 << 64) - 1
+BLOCK = 64                     # keys per block of the two-level search (512 bytes: 8 cache lines)
 
 
 class Corpus:
@@ -55,6 +56,18 @@ class Corpus:
                     nexts.append(t[ok])
         # sorted context hashes, and each context's most frequent next token, its count, the context's total
         self.keys, self.nxt, self.count, self.total = _best_next(np.concatenate(hashes), np.concatenate(nexts))
+        # a two-level search: every BLOCK-th key (a table that stays in cache), then one block of keys read in a row.
+        # A binary search of the whole table (the shipped corpus: 2.1M keys, 17 MB) took ~0.9 us a hash out of
+        # cache, this ~0.55 (85 hashes a call); a step's drafts at 32 requests 0.79 ms against 1.04
+        pad = -self.keys.size % BLOCK
+        self.blocks = np.concatenate([self.keys, np.full(pad, np.iinfo(np.uint64).max, np.uint64)]).reshape(-1, BLOCK)
+        self.keys, self.top = self.blocks.reshape(-1)[:self.keys.size], self.blocks[:, 0].copy()   # keys: a view
+
+    def find(self, hs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index, found) of each hash in the table (`keys`); the index is meaningful only where found."""
+        b = np.maximum(np.searchsorted(self.top, hs, side="right") - 1, 0)
+        idx = np.minimum(b * BLOCK + (self.blocks[b] < hs[:, None]).sum(1), self.keys.size - 1)
+        return idx, self.keys[idx] == hs
 
     def _hashes(self, ctx: list[int]) -> list[int]:
         """The hashes of ctx's last min_n .. max_n tokens (as many as it has), shortest first."""
@@ -93,7 +106,8 @@ class Corpus:
 
     def draft(self, ctx: list[int], gamma: int, min_conf: float = 0.0) -> tuple[list[int], list[float]]:
         """Up to gamma tokens extending ctx, each from the longest matching context; stops where none matches or the
-        confidence (count / (total + 1)) falls below min_conf."""
+        confidence (count / (total + 1)) falls below min_conf. One token at a time through `next`: the reference
+        `drafts` is tested against."""
         ctx, out, conf = list(ctx[-self.max_n:]), [], []      # next() reads the last max_n tokens only
         for _ in range(gamma):
             r = self.next(ctx)
@@ -103,6 +117,31 @@ class Corpus:
             conf.append(r[1] / (r[2] + 1))
             ctx.append(r[0])
         return out, conf
+
+    def drafts(self, ctxs: list[list[int]], gamma: int, min_conf: float = 0.0) -> list[tuple[list[int], list[float]]]:
+        """`draft` of every context at once: one `find` a slot for every context and order (`next` per request and
+        slot, a binary search of the whole table each, took ~1.2 ms of a served step at 32 requests)."""
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in ctxs]
+        live = [(list(c[-self.max_n:]), o) for c, o in zip(ctxs, out)]   # next() reads the last max_n tokens only
+        for _ in range(gamma):
+            if not live or self.keys.size == 0:
+                break
+            hashes = [self._hashes(c) for c, _ in live]
+            idx, hit = self.find(np.array([h for hs in hashes for h in hs], dtype=np.uint64))
+            idx, hit = idx.tolist(), hit.tolist()
+            keep, k = [], 0
+            for (c, (toks, conf)), hs in zip(live, hashes):
+                i = next((idx[j] for j in range(k + len(hs) - 1, k - 1, -1) if hit[j]), None)   # the longest order
+                k += len(hs)
+                if i is None or int(self.count[i]) / (int(self.total[i]) + 1) < min_conf:
+                    continue
+                toks.append(int(self.nxt[i]))
+                conf.append(int(self.count[i]) / (int(self.total[i]) + 1))
+                c.append(toks[-1])
+                del c[:-self.max_n]
+                keep.append((c, (toks, conf)))
+            live = keep
+        return out
 
     @classmethod
     def load(cls, path: str | Path, **kw) -> "Corpus":
@@ -150,5 +189,15 @@ class CorpusDrafter(LookupDrafter):
         super().__init__()
         self.corpus, self.min_conf = corpus, min_conf
 
-    def continuation(self, toks: list[int], gamma: int) -> tuple[list[int], list[float]]:
-        return self.corpus.draft(toks, gamma, self.min_conf)
+    def continuation(self, toks: list[int], gamma: int, sid: str) -> tuple[list[int], list[float]]:
+        return self.corpus.drafts([toks], gamma, self.min_conf)[0]
+
+    def continuations(self, asked) -> list[tuple[list[int], list[float]]]:
+        by_gamma: dict[int, list[int]] = {}                   # one batch per block length (one in practice)
+        for k, (_, it) in enumerate(asked):
+            by_gamma.setdefault(it.gamma, []).append(k)
+        out: list = [None] * len(asked)
+        for gamma, ks in by_gamma.items():
+            for k, d in zip(ks, self.corpus.drafts([asked[k][0] for k in ks], gamma, self.min_conf)):
+                out[k] = d
+        return out

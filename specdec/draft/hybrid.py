@@ -42,21 +42,24 @@ class HybridDrafter(Drafter):
         return self.model.feature_width
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
-        out: list[Proposal | None] = []                  # None: lost, the caller resends with context
-        sub, ask = [], []
+        out: list[Proposal | None] = [None] * len(items)      # None: lost, the caller resends with context
+        left = []                                              # (index, (tokens, item)) no lookup answered yet
         for k, it in enumerate(items):
             try:
-                toks = self.sessions.sync(it)
+                left.append((k, (self.sessions.sync(it), it)))
             except SessionLost:
-                out.append(None)
-                continue
-            for lk in self.lookups:
-                c = lk.block(toks, it)
-                if c.tokens:
-                    break
-            out.append(c)
+                pass
+        for lk in self.lookups:                                # each lookup answers what the ones before left
+            found = []
+            for (k, asked), c in zip(left, lk.blocks([a for _, a in left])):
+                out[k] = c                                     # the last lookup's empty block where none answers
+                if not c.tokens:
+                    found.append((k, asked))
+            left = found
+        sub, ask = [], []
+        for k, (toks, it) in left:
             gamma = it.gamma if it.model_gamma is None else min(it.gamma, it.model_gamma)
-            if c.tokens or gamma <= 0:                    # copied, or the planner wants no model block
+            if gamma <= 0:                                     # the planner wants no model block
                 continue
             seen = min(self.seen.get(it.sid, 0), it.committed_len)
             sub.append(dataclasses.replace(it, new_tokens=toks[seen:it.committed_len], gamma=gamma, model_gamma=None))
@@ -72,6 +75,8 @@ class HybridDrafter(Drafter):
     def release(self, sid: str) -> None:
         self.seen.pop(sid, None)
         self.sessions.drop(sid)
+        for lk in self.lookups:                                # their per-session indexes
+            lk.release(sid)
         self.model.release(sid)
 
     def close(self) -> None:
