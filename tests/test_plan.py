@@ -589,6 +589,30 @@ def test_lookups_the_plan_never_uses_stop_where_they_cost():
     assert planner.copies_wanted()
 
 
+def test_a_copy_verified_only_to_explore_keeps_no_lookups_on():
+    """Served chat at a batch of 17-32, the plan verified no copy of its own, but every 8th step exploration verified the
+    longest idle request's block, a copy, and that reset UNUSED_LOOKUPS' count at 7: the target looked up every step
+    (a trace's steps: a copy verified, 7 lookups that verified nothing, a copy, ...). A copy only exploration verified
+    does not count as the plan using lookups."""
+    from specdec.speculative.plan import UNUSED_LOOKUPS
+    from specdec.speculative.propose import Proposal
+    planner = CostPlanner(CostTable([1, 16, 32], [20.0, 30.0, 40.0]), learn_costs=False)
+    reqs = _reqs(16, 0.9, planner)
+    unsure = [Proposal(1, [2] * 4, [0.05] * 4, copied=True)] * 16      # worth no row to the plan
+    asked, explored = [], 0
+    for _ in range(64):
+        planner.begin(reqs)
+        now = planner.copies_wanted()
+        props = unsure if now else [Proposal(1, [], [])] * 16
+        vlen = planner(reqs, props)
+        explored += sum(v > 1 for v in vlen)
+        if now:
+            asked.append(planner.steps)
+        planner.observe(reqs, props, vlen, [0] * 16, draft_ms=2.0 if now else 0.0, verify_ms=30.0, looked_up=now)
+    assert explored                                        # exploration verified a copy (step 8)
+    assert asked == list(range(1, UNUSED_LOOKUPS[0] + 1)) + [32, 64]    # then only every 4th exploration step
+
+
 def test_a_step_that_asks_a_looking_up_drafter_says_so():
     """speculative_step tells the planner whether it asked the drafter to look up: lookups that found nothing (on
     text that rarely repeats, most) are counted, and output stays plain decoding's."""

@@ -251,6 +251,7 @@ class CostPlanner:
         self.realized_n: dict[tuple[int, str], int] = {}
         self.batch = 1                        # the coming step's batch (begin()): the class gamma() decides for
         self.unused_lookups: dict[int, int] = {}   # per class: lookups in a row, each dear, that verified no copy
+        self.explored: set[str] = set()       # requests whose draft the latest plan verified only to explore
 
     @staticmethod
     def batch_class(B: int) -> int:
@@ -398,9 +399,11 @@ class CostPlanner:
                 self.idle[r.rid] = self.idle.get(r.rid, 0) + 1
         self.next_explorer = max((r.rid for r in reqs), key=lambda rid: self.undrafted.get(rid, 0), default=None)
         idle = [i for i, r in enumerate(reqs) if self.idle.get(r.rid, 0) >= self.explore_every]
+        self.explored = set()
         if idle and self.steps % self.explore_every == 0 and self._cheap_row(sum(vlen)):
             i = max(idle, key=lambda k: self.idle[reqs[k].rid])
             vlen[i], self.idle[reqs[i].rid] = 2, 0
+            self.explored.add(reqs[i].rid)
         return vlen
 
     def leaves(self, reqs, props: list[Proposal], vlen: list[int], budget: int) -> list[list[tuple[int, int]]]:
@@ -455,7 +458,9 @@ class CostPlanner:
             self.draft_ms = (1 - self.ema) * self.draft_ms + self.ema * draft_ms / drafted
         if reqs and (looked_up or any(p.copied for p in props)):
             k = self.batch_class(len(reqs))
-            if any(p.copied and v > 1 for p, v in zip(props, vlen)):
+            # a copy only exploration verified is not the plan using lookups (served chat at 17-32 requests: one
+            # every 8th step reset the count at 7, and the target looked up every step)
+            if any(p.copied and v > 1 and r.rid not in self.explored for r, p, v in zip(reqs, props, vlen)):
                 self.unused_lookups[k] = 0
             elif not drafted and draft_ms is not None and draft_ms > UNUSED_LOOKUPS[1] * self.cost(len(reqs)):
                 self.unused_lookups[k] = self.unused_lookups.get(k, 0) + 1
