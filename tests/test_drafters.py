@@ -210,8 +210,8 @@ def test_corpus_index_gives_the_scans_answer():
 
 
 def test_corpus_drafts_of_a_batch_are_each_contexts_draft():
-    """`drafts` (every context at once, shortest order first, stopping at the first order missing) gives each
-    context what `draft` (one `next` at a time) does, at every min_conf, for contexts shorter than min_n too."""
+    """`drafts` (every context and order in one search a slot) gives each context what `draft` (one `next` at a
+    time) does, at every min_conf, for contexts shorter than min_n too."""
     rng = random.Random(1)
     for vocab, max_n in ((4, 4), (30, 6)):
         docs = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 80))] for _ in range(60)]

@@ -590,10 +590,10 @@ def test_lookups_the_plan_never_uses_stop_where_they_cost():
 
 
 def test_a_copy_verified_only_to_explore_keeps_no_lookups_on():
-    """Served chat at a batch of 17-32, the plan verified no copy of its own, but every 8th step exploration verified the
-    longest idle request's block, a copy, and that reset UNUSED_LOOKUPS' count at 7: the target looked up every step
-    (a trace's steps: a copy verified, 7 lookups that verified nothing, a copy, ...). A copy only exploration verified
-    does not count as the plan using lookups."""
+    """Served chat at a batch of 17-32, the plan verified no copy of its own, but every 8th step exploration verified
+    the longest idle request's block, a copy, and that reset UNUSED_LOOKUPS' count at 7: the target looked up every
+    step (a trace's steps: a copy verified, 7 lookups that verified nothing, a copy, ...). A copy only exploration
+    verified does not count as the plan using lookups."""
     from specdec.speculative.plan import UNUSED_LOOKUPS
     from specdec.speculative.propose import Proposal
     planner = CostPlanner(CostTable([1, 16, 32], [20.0, 30.0, 40.0]), learn_costs=False)

@@ -70,6 +70,7 @@ class LookupDrafter(Drafter):
         return [self.continuation(toks, it.gamma, it.sid) for toks, it in asked]
 
     def blocks(self, asked: list[tuple[list[int], DraftItem]]) -> list[Proposal]:
+        """A copied block for each (tokens, item), empty where nothing continues the tokens."""
         out = []
         for (toks, it), (cont, conf) in zip(asked, self.continuations(asked)):
             q = None if it.params.greedy else SparseRows(torch.tensor(cont, dtype=torch.long).reshape(-1, 1),
