@@ -48,6 +48,19 @@ def test_suffix_index_gives_the_scans_answer():
             assert found > 25, (vocab, max_n, min_n)   # repeats are found: the index is exercised
 
 
+def test_ngram_indexes_are_a_bounded_cache():
+    """Sessions never released (a target gone) leave their index behind: at most MAX_INDEXES are kept, the least
+    recently used dropped, and a dropped session's next lookup rebuilds it with the same answer."""
+    d = make_drafter("ngram")
+    d.MAX_INDEXES = 2
+    toks = {sid: [1, 2, 3, k, 1, 2] for k, sid in enumerate("abc")}
+    for sid in "abac":                                  # a used again: b is the least recent when c's arrives
+        assert d.propose([DraftItem(sid, toks[sid], 6, 2)])[0].tokens == [3, "abc".index(sid)]
+        toks[sid] = []                                  # the session knows them now
+    assert list(d.index) == ["a", "c"]
+    assert d.propose([DraftItem("b", [], 6, 2)])[0].tokens == [3, 1] and list(d.index) == ["c", "b"]
+
+
 def test_ngram_q_is_one_hot_for_sampled_requests():
     d = make_drafter("ngram")
     item = DraftItem("r", [5, 6, 5], 3, 2, SamplingParams(temperature=1.0, seed=1), Mode.REJECTION)

@@ -37,8 +37,8 @@ class SuffixIndex:
 
     def continuation(self, tokens: list[int], gamma: int) -> list[int]:
         m = len(self.tokens)
-        if len(tokens) < m or tokens[:m] != self.tokens:
-            self.__init__(self.max_n, self.min_n)
+        if len(tokens) < m or tokens[:m] != self.tokens:    # not an extension: index it again
+            self.tokens, self.start, self.done = [], {}, dict.fromkeys(self.done, 0)
             m = 0
         self.tokens += tokens[m:]
         L = len(tokens)
@@ -53,7 +53,7 @@ class SuffixIndex:
 
 
 class LookupDrafter(Drafter):
-    """A drafter that copies rather than runs a model (prompt lookup, the corpus): `block` drafts from a session's
+    """A drafter that copies rather than runs a model (prompt lookup, the corpus): `blocks` drafts from sessions'
     committed tokens; blocks are `copied`, with a one-hot draft distribution."""
 
     looks_up = True
@@ -96,6 +96,7 @@ class LookupDrafter(Drafter):
 
 class NgramDrafter(LookupDrafter):
     name = "ngram"
+    MAX_INDEXES = 1024     # sessions' indexes kept (least recently used dropped): a cache, rebuilt from the tokens
 
     def __init__(self, max_n: int = 3, min_n: int = 1):
         super().__init__()
@@ -103,9 +104,11 @@ class NgramDrafter(LookupDrafter):
         self.index: dict[str, SuffixIndex] = {}
 
     def continuation(self, toks: list[int], gamma: int, sid: str) -> tuple[list[int], list[float]]:
-        if sid not in self.index:
-            self.index[sid] = SuffixIndex(self.max_n, self.min_n)
-        cont = self.index[sid].continuation(toks, gamma)
+        index = self.index.pop(sid, None)
+        self.index[sid] = index = index if index is not None else SuffixIndex(self.max_n, self.min_n)
+        if len(self.index) > self.MAX_INDEXES:           # a session never released (its target gone)
+            del self.index[next(iter(self.index))]
+        cont = index.continuation(toks, gamma)
         return cont, [1.0] * len(cont)
 
     def release(self, sid: str) -> None:
