@@ -211,8 +211,7 @@ class DrafterServicer(pb_grpc.DrafterServicer):
         ids = list(request.request_ids)
 
         def release():
-            for sid in ids:
-                self.drafter.release(sid)     # unknown ids are a no-op
+            self.drafter.release_all(ids)     # unknown ids are a no-op
 
         if ids:
             await self._exclusive(release)

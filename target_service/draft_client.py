@@ -220,12 +220,19 @@ class RemoteDrafter(Drafter):
         return dataclasses.replace(it, features=rows, features_start=lo)
 
     def release(self, sid: str) -> None:
+        self.release_all([sid])
+
+    def release_all(self, sids: list[str]) -> None:
+        """One Release for all: a call costs ~0.8 ms on loopback (an ngram draft server: 16 calls 11.5-15.8 ms, one
+        call with 16 ids 0.8-0.95), made on the compute thread, where one call each for 32 requests finishing in one
+        step would hold the next step ~25 ms."""
         with self._lock:               # called off the step's thread: the feature store is freed by the next call
-            self._dropped.append(sid)
-        if not self.breaker.allow():
+            self._dropped.extend(sids)
+        if not sids or not self.breaker.allow():
             return  # the server is gone; its sessions with it
         try:
-            self.stub.Release(pb.ReleaseRequest(request_ids=[sid]), timeout=self.deadline_s, metadata=self.metadata)
+            self.stub.Release(pb.ReleaseRequest(request_ids=list(sids)), timeout=self.deadline_s,
+                              metadata=self.metadata)
         except grpc.RpcError:
             pass  # an unreleased session is evicted by the draft server's LRU
 

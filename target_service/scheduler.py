@@ -565,11 +565,10 @@ class Scheduler:
             await compute.run(self._release_drafts, [j.rid for j in jobs])
 
     def _release_drafts(self, rids: list[str]) -> None:
-        for rid in rids:
-            try:
-                self.drafter.release(rid)
-            except Exception:  # noqa: BLE001 - best effort; the draft server evicts idle sessions itself
-                pass
+        try:
+            self.drafter.release_all(rids)          # a draft server's sessions in one call
+        except Exception:  # noqa: BLE001 - best effort; the draft server evicts idle sessions itself
+            pass
 
     def _gauges(self) -> None:
         if self.metrics:

@@ -73,11 +73,15 @@ class HybridDrafter(Drafter):
         return out
 
     def release(self, sid: str) -> None:
-        self.seen.pop(sid, None)
-        self.sessions.drop(sid)
-        for lk in self.lookups:                                # their per-session indexes
-            lk.release(sid)
-        self.model.release(sid)
+        self.release_all([sid])
+
+    def release_all(self, sids: list[str]) -> None:
+        for sid in sids:
+            self.seen.pop(sid, None)
+            self.sessions.drop(sid)
+            for lk in self.lookups:                            # their per-session indexes
+                lk.release(sid)
+        self.model.release_all(sids)                           # a draft server's: one call
 
     def close(self) -> None:
         getattr(self.model, "close", lambda: None)()

@@ -97,6 +97,11 @@ class Drafter(abc.ABC):
     def release(self, sid: str) -> None:
         ...
 
+    def release_all(self, sids: list[str]) -> None:
+        """release() each session; a drafter behind a server frees them in one call."""
+        for sid in sids:
+            self.release(sid)
+
 
 class SessionTokens:
     """Committed tokens per session as a drafter knows them, synchronised from DraftItems."""
