@@ -69,6 +69,24 @@ def test_ngram_q_is_one_hot_for_sampled_requests():
     assert torch.equal(prop.q_dense(8), torch.nn.functional.one_hot(torch.tensor([6, 5]), 8).double())
 
 
+def test_release_all_tries_every_session():
+    """The scheduler frees a step's finished requests together (Drafter.release_all): one session whose release
+    raises does not keep the others' memory (they are all tried, then the error is raised)."""
+    d = make_drafter("ngram")
+    for sid in "abc":
+        d.propose([DraftItem(sid, [1, 2, 1], 3, 2)])
+    drop = d.release
+
+    def release(sid):
+        if sid == "b":
+            raise RuntimeError("b is stuck")
+        drop(sid)
+    d.release = release
+    with pytest.raises(RuntimeError, match="stuck"):
+        d.release_all(["a", "b", "c"])
+    assert list(d.sessions.tokens) == ["b"] and list(d.index) == ["b"]
+
+
 def test_session_sync_and_loss():
     d = make_drafter("ngram")
     d.propose([DraftItem("r", [1, 2, 3], 3, 2)])

@@ -98,9 +98,16 @@ class Drafter(abc.ABC):
         ...
 
     def release_all(self, sids: list[str]) -> None:
-        """release() each session; a drafter behind a server frees them in one call."""
+        """release() each session, every one tried whatever another raised (then the first error is raised); a
+        drafter behind a server frees them in one call."""
+        errors = []
         for sid in sids:
-            self.release(sid)
+            try:
+                self.release(sid)
+            except Exception as e:  # noqa: BLE001 - one session's failure must not keep the others' memory
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 class SessionTokens:
