@@ -612,6 +612,21 @@ def test_a_copy_verified_only_to_explore_keeps_no_lookups_on():
     assert explored                                        # exploration verified a copy (step 8)
     assert asked == list(range(1, UNUSED_LOOKUPS[0] + 1)) + [32, 64]    # then only every 4th exploration step
 
+    # the other exploration, a request drafting to explore whose block a lookup answered (a copy): the same
+    planner = CostPlanner(CostTable([1, 16, 32], [20.0, 30.0, 40.0]), learn_costs=False)
+    asked = []
+    for _ in range(16):
+        planner.begin(reqs)
+        now = planner.copies_wanted()
+        props = unsure if now else [Proposal(1, [], [])] * 16
+        planner.explore.add(reqs[0].rid)                   # as gamma() marks an explorer
+        vlen = planner(reqs, props)
+        assert vlen[0] == (2 if now else 1)
+        if now:
+            asked.append(planner.steps)
+        planner.observe(reqs, props, vlen, [0] * 16, draft_ms=2.0 if now else 0.0, verify_ms=30.0, looked_up=now)
+    assert asked == list(range(1, UNUSED_LOOKUPS[0] + 1))
+
 
 def test_a_step_that_asks_a_looking_up_drafter_says_so():
     """speculative_step tells the planner whether it asked the drafter to look up: lookups that found nothing (on

@@ -251,7 +251,8 @@ class CostPlanner:
         self.realized_n: dict[tuple[int, str], int] = {}
         self.batch = 1                        # the coming step's batch (begin()): the class gamma() decides for
         self.unused_lookups: dict[int, int] = {}   # per class: lookups in a row, each dear, that verified no copy
-        self.explored: set[str] = set()       # requests whose draft the latest plan verified only to explore
+        self.explored: set[str] = set()       # requests whose draft the latest plan verified only to explore (either
+        #                                       kind of exploration below: an explorer's block may be a copy)
 
     @staticmethod
     def batch_class(B: int) -> int:
@@ -381,6 +382,7 @@ class CostPlanner:
         self.exploring = bool(modelled) and all(rid in self.explore for rid in modelled)
         # the drafting this step paid (the plan's fixed cost): none when every block was copied
         vlen = best_plan(probs, caps, self.cost, self.fixed_ms if modelled else 0.0, self.floors(reqs, caps))
+        planned = list(vlen)
         if modelled:
             ratio = expected_rate(probs, vlen, self.cost, self.fixed_ms) / (len(reqs) / self.cost(len(reqs)))
             self.predicted_pays = (1 - self.ema) * self.predicted_pays + self.ema * ratio
@@ -399,11 +401,10 @@ class CostPlanner:
                 self.idle[r.rid] = self.idle.get(r.rid, 0) + 1
         self.next_explorer = max((r.rid for r in reqs), key=lambda rid: self.undrafted.get(rid, 0), default=None)
         idle = [i for i, r in enumerate(reqs) if self.idle.get(r.rid, 0) >= self.explore_every]
-        self.explored = set()
         if idle and self.steps % self.explore_every == 0 and self._cheap_row(sum(vlen)):
             i = max(idle, key=lambda k: self.idle[reqs[k].rid])
             vlen[i], self.idle[reqs[i].rid] = 2, 0
-            self.explored.add(reqs[i].rid)
+        self.explored = {r.rid for r, v, w in zip(reqs, vlen, planned) if v > w}   # rows only exploration added
         return vlen
 
     def leaves(self, reqs, props: list[Proposal], vlen: list[int], budget: int) -> list[list[tuple[int, int]]]:
