@@ -133,10 +133,11 @@ class Corpus:
             for (c, (toks, conf)), hs in zip(live, hashes):
                 i = next((idx[j] for j in range(k + len(hs) - 1, k - 1, -1) if hit[j]), None)   # the longest order
                 k += len(hs)
-                if i is None or int(self.count[i]) / (int(self.total[i]) + 1) < min_conf:
+                c_i = None if i is None else int(self.count[i]) / (int(self.total[i]) + 1)
+                if c_i is None or c_i < min_conf:
                     continue
                 toks.append(int(self.nxt[i]))
-                conf.append(int(self.count[i]) / (int(self.total[i]) + 1))
+                conf.append(c_i)
                 c.append(toks[-1])
                 del c[:-self.max_n]
                 keep.append((c, (toks, conf)))

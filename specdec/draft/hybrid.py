@@ -79,8 +79,8 @@ class HybridDrafter(Drafter):
         for sid in sids:
             self.seen.pop(sid, None)
             self.sessions.drop(sid)
-            for lk in self.lookups:                            # their per-session indexes
-                lk.release(sid)
+        for lk in self.lookups:                                # their per-session indexes
+            lk.release_all(sids)
         self.model.release_all(sids)                           # a draft server's: one call
 
     def close(self) -> None:
