@@ -41,7 +41,7 @@ from ..engine.prepack import dense
 from ..engine.quant import GGUFRows, QLinear
 from ..engine.row_tiles import tile_linears
 from ..speculative.accept import Mode, draft_sample
-from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionTokens, SparseRows
 from ..speculative.sampling import probs
 
 
@@ -472,11 +472,7 @@ class BlockDrafter(Drafter):
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
         out: list[Proposal | None] = [None] * len(items)
         live = []
-        for k, it in enumerate(items):
-            try:
-                toks = self.tokens.sync(it)
-            except SessionLost:
-                continue
+        for k, toks, it in self.tokens.sync_all(items):
             if self.wire and it.features is not None:
                 self.feats.add(it.sid, it.features_start, it.features)
             gamma = max(0, min(it.gamma, self.cfg.gamma, self.max_len - len(toks)))

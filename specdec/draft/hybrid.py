@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionTokens
 from .ngram import LookupDrafter
 
 
@@ -43,12 +43,8 @@ class HybridDrafter(Drafter):
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
         out: list[Proposal | None] = [None] * len(items)      # None: lost, the caller resends with context
-        left = []                                              # (index, (tokens, item)) no lookup answered yet
-        for k, it in enumerate(items):
-            try:
-                left.append((k, (self.sessions.sync(it), it)))
-            except SessionLost:
-                pass
+        # (index, (tokens, item)) no lookup answered yet
+        left = [(k, (toks, it)) for k, toks, it in self.sessions.sync_all(items)]
         for lk in self.lookups:                                # each lookup answers what the ones before left
             found = []
             for (k, asked), c in zip(left, lk.blocks([a for _, a in left])):

@@ -19,7 +19,7 @@ from ..engine.prepack import is_prepacked
 from ..engine.quant import QLinear
 from ..errors import InvalidRequest, KVPoolExhausted
 from ..speculative.accept import Mode, draft_sample
-from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionTokens
 from ..speculative.sampling import probs
 
 
@@ -110,14 +110,11 @@ class ModelDrafter(Drafter):
                 self.engine.release(self.kv.pop(idle).seq)
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
-        lost = set()
-        for k, it in enumerate(items):
-            try:
-                self.tokens.sync(it)
-            except SessionLost:
-                lost.add(k)
-        answers = iter(self._propose([it for k, it in enumerate(items) if k not in lost]))
-        return [None if k in lost else next(answers) for k in range(len(items))]
+        out: list[Proposal | None] = [None] * len(items)      # None: lost, the caller resends with context
+        synced = self.tokens.sync_all(items)
+        for (k, _, _), prop in zip(synced, self._propose([it for _, _, it in synced])):
+            out[k] = prop
+        return out
 
     def _propose(self, items: list[DraftItem]) -> list[Proposal]:
         busy = {it.sid for it in items}

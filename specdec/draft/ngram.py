@@ -8,7 +8,7 @@ import abc
 
 import torch
 
-from ..speculative.propose import DraftItem, Drafter, Proposal, SessionLost, SessionTokens, SparseRows
+from ..speculative.propose import DraftItem, Drafter, Proposal, SessionTokens, SparseRows
 
 
 def lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -80,13 +80,8 @@ class LookupDrafter(Drafter):
 
     def propose(self, items: list[DraftItem]) -> list[Proposal | None]:
         out: list[Proposal | None] = [None] * len(items)      # None: lost, the caller resends with context
-        asked = []
-        for k, it in enumerate(items):
-            try:
-                asked.append((k, (self.sessions.sync(it), it)))
-            except SessionLost:
-                pass
-        for (k, _), prop in zip(asked, self.blocks([a for _, a in asked])):
+        synced = self.sessions.sync_all(items)
+        for (k, _, _), prop in zip(synced, self.blocks([(toks, it) for _, toks, it in synced])):
             out[k] = prop
         return out
 

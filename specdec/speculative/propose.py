@@ -127,5 +127,16 @@ class SessionTokens:
         self.tokens[item.sid] = toks
         return toks
 
+    def sync_all(self, items: list[DraftItem]) -> list[tuple[int, list[int], DraftItem]]:
+        """(index, committed tokens, item) of each item whose session this drafter knows or can rebuild; a lost one is
+        left out (its proposal is None: the caller resends it with context)."""
+        synced = []
+        for k, it in enumerate(items):
+            try:
+                synced.append((k, self.sync(it), it))
+            except SessionLost:
+                pass
+        return synced
+
     def drop(self, sid: str) -> None:
         self.tokens.pop(sid, None)
