@@ -426,9 +426,11 @@ def test_make_runs_target_keeps_one_openmp_team(tmp_path):
                          start_new_session=True)
     try:
         lines, t0 = [], time.monotonic()
+        # a bound on start-up, not a speed check: beside the other pytest worker's tests (make test runs two) this
+        # test took 176 s on an AVX2-only EPYC, against 44 s alone
         while not any("Ctrl-C stops everything" in x for x in lines):
             line = p.stdout.readline()
-            assert line and time.monotonic() - t0 < 240, "".join(lines)
+            assert line and time.monotonic() - t0 < 600, "".join(lines)
             lines.append(line)
         # greedy: at the default temperature (1.0, a fresh seed each time) " Paris." then EOS ended one CI run at 3
         body = json.dumps({"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8,
