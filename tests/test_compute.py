@@ -81,7 +81,9 @@ def test_settle_heap_takes_start_up_objects_out_of_full_collections():
     loaded = [{"i": i} for i in range(50_000)]          # a loaded model's many small objects
     try:
         frozen = settle_heap()
-        assert frozen >= 50_000 and frozen == gc.get_freeze_count()
+        # what it froze, less any frozen object another thread freed since (pytest-xdist's I/O thread: 2 of ~600k
+        # in one run); nothing but gc.freeze adds to the count
+        assert frozen >= 50_000 and frozen - 100 <= gc.get_freeze_count() <= frozen
         assert not any(o is loaded for o in gc.get_objects(generation=2))
         import weakref
 
