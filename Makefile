@@ -40,8 +40,8 @@ generate: install
 	$(BIN)/specdec generate --model $(MODEL) --chat --prompt "$(PROMPT)" --max-tokens $(MAX_TOKENS)
 
 # Two pytest workers (pytest-xdist): the test process runs torch on one thread (tests/conftest.py), so one worker
-# left a 2-core machine's second core mostly idle (a Zen 2 EPYC: 27.5 min for the suite, 33.5 CPU-minutes). A file's
-# tests stay on one worker: its module fixtures' servers start once, and test_deploy's stack binds fixed ports.
+# left a 2-core machine's second core mostly idle (an EPYC of family 23: 27.5 min for the suite, 33.5 CPU-minutes).
+# A file's tests stay on one worker: its module fixtures' servers start once, and test_deploy's stack binds fixed ports.
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 

@@ -224,6 +224,7 @@ async def _serve(args, lm, engine) -> int:
         from specdec.speculative.plan import ServicePlanner, profile_cost
         if isinstance(engine, Engine):      # the cost table is profiled on the engine (a few forwards)
             planner = ServicePlanner(await compute.run(profile_cost, engine))
+            metrics.catch_ups_withheld.set_function(lambda: planner.catch_ups_withheld)
             log.info("verify cost profile (rows: ms): %s",
                      ", ".join(f"{n}: {ms:.1f}" for n, ms in zip(planner.cost.rows, planner.cost.ms)))
     sched = Scheduler(engine, drafter, store, lm.tokenizer, cfg, metrics, trace, planner=planner)

@@ -57,6 +57,10 @@ class Metrics:
             "specdec:draft_feature_rows_recomputed", "Hidden-state rows the target recomputed to send a block draft "
             "server: text it ran before the draft server named the layers to tap, and the warm-up's own.",
             ["model_name"], registry=r).labels(**lab)
+        self.catch_ups_withheld = Gauge(
+            "specdec:draft_catch_ups_withheld", "Request-steps the planner asked no model draft for because the draft "
+            "model's catch-up on text it had not seen would cost more than drafting could save.",
+            ["model_name"], registry=r).labels(**lab)
         self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", ["model_name"],
                               buckets=_LATENCY_BUCKETS, registry=r).labels(**lab)
         self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between streamed tokens.", ["model_name"],

@@ -652,3 +652,56 @@ def test_a_step_that_asks_a_looking_up_drafter_says_so():
     outs = gen.generate([GenRequest(p, max_tokens=30) for p in prompts])
     assert [o.tokens for o in outs] == [o.tokens for o in ref]
     assert any(planner.seen)                       # steps that looked up and found nothing were told so
+
+
+AMX_SMOLLM2 = CostTable([1, 8, 16, 17, 32, 33, 64, 65], [21.6, 22.4, 25.3, 28.9, 33.3, 52.1, 71.3, 74.2])  # served
+
+
+def _prompted(n: int, alpha: float, planner: CostPlanner, first: int = 0, prompt_len: int = 60):
+    from specdec.speculative.accept import Mode
+    from specdec.speculative.sampling import SamplingParams
+    from specdec.speculative.step import SpecRequest
+    reqs = [SpecRequest(f"r{i}", [1] * prompt_len, SamplingParams(), 64, Mode.GREEDY, 4)
+            for i in range(first, first + n)]
+    for r in reqs:
+        planner.alpha[r.rid] = alpha
+    return reqs
+
+
+def test_a_catch_up_that_cannot_pay_is_neither_drafted_nor_explored():
+    """A model drafter first catches up on the text it has not seen (a new request's prompt). Served chat at 16 and 32
+    concurrent requests with the target's w4a8 copy on a Xeon with AMX: a batch size class's first drafting step caught
+    16 prompts up in 339 ms (32 in 748) against a 27-45 ms plain step, and explorations after it one prompt each in
+    45-85 ms. The catch-up's cost per token is measured from steps that paid one; a request drafts (or explores) only
+    where that cost is below what drafting could save over its remaining tokens, verify rows priced by the cost table
+    and drafting counted free. Alone, a prompt's catch-up pays; at 16 it does not; a cheap catch-up (a feature drafter)
+    pays at 16; a request the drafter has kept up with drafts whatever its prompt cost."""
+    from specdec.speculative.propose import Proposal
+    planner = CostPlanner(AMX_SMOLLM2, fixed_ms=15.0, draft_ms_per_token=3.0)
+    lone = _prompted(1, 0.85, planner)[0]
+    planner.begin([lone])
+    assert planner.gamma(lone) == 4                                         # no catch-up measured yet
+    planner.observe([lone], [Proposal(1, [2] * 4, [0.9] * 4)], [5], [4], draft_ms=75.0, verify_ms=22.0)
+    assert planner.catch_up_ms == pytest.approx((75.0 - 15.0) / 60)         # 60 unseen tokens, beyond a steady step
+    lone.output += [2] * 5                                                  # committed
+    batch = [lone] + _prompted(15, 0.85, planner, first=1)
+    for step in range(4 * planner.explore_every):                           # every exploration step included
+        planner.begin(batch)
+        blocks = [planner.gamma(r) for r in batch]
+        assert blocks[1:] == [0] * 15 and (step or blocks[0] == 4)         # kept up with: drafts
+        props = [Proposal(1, [2] * k, [0.9] * k) for k in blocks]
+        vlen = planner(batch, props)
+        planner.observe(batch, props, vlen, [v - 1 for v in vlen], draft_ms=15.0, verify_ms=30.0)
+        assert planner.catch_up_ms == pytest.approx(1.0)                    # steady steps teach it nothing
+        for r, v in zip(batch, vlen):
+            r.output += [2] * v
+        for r in batch[1:]:                                                 # the text the drafter has not seen
+            r.output = r.output[:1]                                         # grows; keep the requests young
+    assert planner.catch_ups_withheld >= 15 * 4 * planner.explore_every     # counted for the metric
+    planner.begin(batch[1:3])                                               # the batch down to two: it would pay
+    assert planner.catch_up_pays(batch[1], 0.85)
+    cheap = CostPlanner(AMX_SMOLLM2, fixed_ms=15.0, draft_ms_per_token=3.0)
+    cheap.catch_up_ms = 0.01
+    fresh = _prompted(16, 0.85, cheap)
+    cheap.begin(fresh)
+    assert [cheap.gamma(r) for r in fresh] == [4] * 16

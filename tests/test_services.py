@@ -213,7 +213,7 @@ def test_metrics_exposed(target):
                  "specdec:spec_decode_num_accepted_tokens_total", "specdec:spec_decode_num_accepted_tokens_per_pos_total",
                  "specdec:time_to_first_token_seconds_bucket", "specdec:inter_token_latency_seconds_bucket",
                  "specdec:num_requests_running", "specdec:num_requests_waiting", "specdec:prefix_cache_queries_total",
-                 "specdec:prefix_cache_hits_total"):
+                 "specdec:prefix_cache_hits_total", "specdec:draft_catch_ups_withheld"):
         assert name in text, name
     drafts = [float(x.split()[-1]) for x in text.splitlines() if x.startswith("specdec:spec_decode_num_drafts_total")]
     assert drafts and drafts[0] > 0

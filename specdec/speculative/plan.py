@@ -215,6 +215,8 @@ EXPLORE_SHARE = 0.02       # the most of the time exploration may take while dra
 MEASURED_AFTER = 8         # steps of each kind at a batch size class before their measured rates decide
 CLEAR_LOSS = (3, 0.5)      # ... or this many steps of a kind that emitted under this share of plain steps' tokens/ms
 UNUSED_LOOKUPS = (8, 0.02)  # lookups in a row that gave the plan no copy, each costing over this share of a forward
+CATCH_UP_TOKENS = 16       # unseen tokens a drafting step must have caught up on to measure the catch-up's cost
+CATCH_UP_MINOR = 0.25      # a request's catch-up under this share of a plain step is not priced (too little to lose)
 
 
 class CostPlanner:
@@ -241,6 +243,9 @@ class CostPlanner:
         self.explore_ms = 0.0                 # drafting time of steps where only explorers drafted (smoothed)
         self.exploring = False                # the step being planned: only explorers drafted
         self.drafted_last: set[str] = set()   # requests the model drafted for in the latest step
+        self.model_seen: dict[str, int] = {}  # per request: its committed length when the model last drafted for it
+        self.catch_up_ms = 0.0                # a model drafter's catch-up per token it had not seen (smoothed)
+        self.catch_ups_withheld = 0           # request-steps not drafted for because the catch-up would not pay
         # Does drafting pay for the batch as a whole (at large batches verify rows stop being nearly free)? Predicted:
         # the plans' expected tokens/ms (drafting included) over plain decoding's by the cost table. Realised: each
         # step's tokens/ms over the table's plain rate, for steps the model drafted ("draft"), steps that verified
@@ -312,6 +317,9 @@ class CostPlanner:
         # a new request starts from what other requests' drafts measured (it used to draft a full block until its
         # own first verified draft: at 32 concurrent 64-token requests some new one drafted nearly every step)
         alpha = self.alpha.get(r.rid, self.alpha_prior)
+        if not self.catch_up_pays(r, alpha):
+            self.catch_ups_withheld += 1
+            return 0                          # nor does it explore: what it could find would not pay for the catch-up
         c = self.draft_ms / max(1e-9, self.cost(1))
         g = min(r.gamma, best_gamma(alpha, c, r.gamma, gamma_min=0)) if self.draft_pays >= 1 else 0
         if g > 0:
@@ -334,6 +342,25 @@ class CostPlanner:
         self.explore.add(r.rid)
         # explore at the block length drafting would use, so the measured drafting steps are representative
         return min(r.gamma, best_gamma(alpha, c, r.gamma))
+
+    def catch_up_pays(self, r, alpha: float) -> bool:
+        """May the model draft for `r` where it must first catch up on the text it has not seen (a model drafter
+        prefills it: a new request's prompt, or all since it last drafted for it)? Only where that catch-up, at the
+        measured cost per token, is less than what drafting could save over the request's remaining tokens at the
+        coming batch, counted generously: drafting free, only verify rows paid (the cost table), at the request's
+        acceptance. Served chat at 16 and 32 concurrent requests with the target's w4a8 copy (a Xeon with AMX), a
+        batch size class's first drafting step caught 16 prompts up in 339 ms and 32 in 748 ms against a 27-45 ms
+        plain step, and each exploration after it one prompt in 45-85 ms, for drafts that could not pay there. A
+        catch-up under CATCH_UP_MINOR of a plain step is not priced: the saving is an estimate, and where it is wrong
+        such a catch-up loses little (README, "Catch-ups priced before they are paid")."""
+        unseen = r.committed_len - self.model_seen.get(r.rid, 0)
+        B = max(1, self.batch)
+        plain = self.cost(B)
+        if unseen <= r.gamma + 1 or unseen * self.catch_up_ms <= CATCH_UP_MINOR * plain:
+            return True                       # no more than a block's commits behind, or a catch-up costing little
+        speedup = max(leviathan_gain(alpha, g) * plain / self.cost(B * (g + 1)) for g in range(1, max(1, r.gamma) + 1))
+        saving = max(0.0, 1 - 1 / speedup) * (r.max_tokens - len(r.output)) * plain / B   # its share of the time
+        return unseen * self.catch_up_ms <= saving
 
     def explore_period(self) -> int:
         """Steps between explorations while drafting does not pay: 4 * explore_every, or more where that would spend
@@ -431,7 +458,7 @@ class CostPlanner:
 
     def forget(self, rid: str) -> None:
         """A finished request's acceptance history (a long-running service would otherwise keep every one)."""
-        for table in (self.alpha, self.idle, self.undrafted):
+        for table in (self.alpha, self.idle, self.undrafted, self.model_seen):
             table.pop(rid, None)
         self.explore.discard(rid)
 
@@ -447,7 +474,18 @@ class CostPlanner:
         modelled = set(self._modelled(reqs, props))
         # steady: every request drafted for also drafted the step before, so the drafter caught up on nothing (a
         # model drafter first prefills the text it has not seen: a new request's prompt, or all since its last draft)
-        steady, self.drafted_last = bool(modelled) and modelled <= self.drafted_last, modelled
+        steady = bool(modelled) and modelled <= self.drafted_last
+        behind = sum(r.committed_len - self.model_seen.get(r.rid, 0) for r in reqs
+                     if r.rid in modelled and r.rid not in self.drafted_last)
+        if draft_ms is not None and self.learn_costs and behind >= CATCH_UP_TOKENS:
+            # the catch-up's cost per token: beyond what a steady drafting step costs (an upper bound where the steady
+            # cost is not measured yet)
+            ms = max(0.0, draft_ms - self.fixed_ms) / behind
+            self.catch_up_ms = (1 - self.ema) * self.catch_up_ms + self.ema * ms if self.catch_up_ms else ms
+        self.drafted_last = modelled
+        for r in reqs:
+            if r.rid in modelled:
+                self.model_seen[r.rid] = r.committed_len
         if draft_ms is not None and drafted and self.exploring:     # what an exploration costs, catching up included
             self.explore_ms = (1 - self.ema) * self.explore_ms + self.ema * draft_ms if self.explore_ms else draft_ms
         if draft_ms is not None and self.learn_costs and steady:     # steady: a model drafted
