@@ -449,11 +449,12 @@ def test_batch_classes():
     assert CostPlanner.batch_class(0) == 1 and CostPlanner.batch_class(32) == 6 and CostPlanner.batch_class(33) == 7
 
 
-def _reqs(n: int, alpha: float, planner: CostPlanner, first: int = 0):
+def _reqs(n: int, alpha: float, planner: CostPlanner, first: int = 0, prompt_len: int = 1, max_tokens: int = 10**6):
     from specdec.speculative.accept import Mode
     from specdec.speculative.sampling import SamplingParams
     from specdec.speculative.step import SpecRequest
-    reqs = [SpecRequest(f"r{i}", [1], SamplingParams(), 10**6, Mode.GREEDY, 4) for i in range(first, first + n)]
+    reqs = [SpecRequest(f"r{i}", [1] * prompt_len, SamplingParams(), max_tokens, Mode.GREEDY, 4)
+            for i in range(first, first + n)]
     for r in reqs:
         planner.alpha[r.rid] = alpha
     return reqs
@@ -657,15 +658,9 @@ def test_a_step_that_asks_a_looking_up_drafter_says_so():
 AMX_SMOLLM2 = CostTable([1, 8, 16, 17, 32, 33, 64, 65], [21.6, 22.4, 25.3, 28.9, 33.3, 52.1, 71.3, 74.2])  # served
 
 
-def _prompted(n: int, alpha: float, planner: CostPlanner, first: int = 0, prompt_len: int = 60):
-    from specdec.speculative.accept import Mode
-    from specdec.speculative.sampling import SamplingParams
-    from specdec.speculative.step import SpecRequest
-    reqs = [SpecRequest(f"r{i}", [1] * prompt_len, SamplingParams(), 64, Mode.GREEDY, 4)
-            for i in range(first, first + n)]
-    for r in reqs:
-        planner.alpha[r.rid] = alpha
-    return reqs
+def _prompted(n: int, alpha: float, planner: CostPlanner, first: int = 0):
+    """Chat-like requests: 60-token prompts, 64 tokens to emit."""
+    return _reqs(n, alpha, planner, first, prompt_len=60, max_tokens=64)
 
 
 def test_a_catch_up_that_cannot_pay_is_neither_drafted_nor_explored():

@@ -354,10 +354,12 @@ class CostPlanner:
         catch-up under CATCH_UP_MINOR of a plain step is not priced: the saving is an estimate, and where it is wrong
         such a catch-up loses little (README, "Catch-ups priced before they are paid")."""
         unseen = r.committed_len - self.model_seen.get(r.rid, 0)
+        if unseen <= r.gamma + 1:             # no more than a block's commits behind (every step of a steady request)
+            return True
         B = max(1, self.batch)
         plain = self.cost(B)
-        if unseen <= r.gamma + 1 or unseen * self.catch_up_ms <= CATCH_UP_MINOR * plain:
-            return True                       # no more than a block's commits behind, or a catch-up costing little
+        if unseen * self.catch_up_ms <= CATCH_UP_MINOR * plain:
+            return True                       # a catch-up costing little
         speedup = max(leviathan_gain(alpha, g) * plain / self.cost(B * (g + 1)) for g in range(1, max(1, r.gamma) + 1))
         saving = max(0.0, 1 - 1 / speedup) * (r.max_tokens - len(r.output)) * plain / B   # its share of the time
         return unseen * self.catch_up_ms <= saving
