@@ -260,7 +260,7 @@ async def _serve(args, lm, engine) -> int:
         loop.call_later(BACKEND_DEAD_LINGER_S, stop.set)
     sched.on_backend_dead = backend_dead
     if hasattr(engine, "on_dead"):
-        engine.on_dead.append(lambda reason: sched.wake())   # from its watch thread: the loop notices within a step
+        engine.on_dead.append(sched.backend_lost)    # from its watch thread: the streams end now, not after the step
     tp = f", TP{args.tp}" if args.tp > 1 else ""
     print(f"target server: {lm.name} ({engine.dtype}{tp}) REST http://{args.host}:{args.port} "
           f"gRPC {args.host}:{args.grpc_port or 'off'}; draft {draft_name}; state store "

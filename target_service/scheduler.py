@@ -158,6 +158,8 @@ class Scheduler:
         self.steps = 0
         self.on_backend_dead = None                # called once (with the reason) when the backend cannot run
         self.backend_dead: str | None = None
+        self._lost = asyncio.Event()               # the backend's own watch declared it down (backend_lost)
+        self._lost_reason = ""
         self._gauges()
 
     # -- admission --------------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ class Scheduler:
             return
         try:
             async with self.engine_lock:
-                await compute.run(self._prefill, admitted)
+                await self.run_engine(self._prefill, admitted)
         except BackendDead:
             self.running += admitted           # so _backend_down ends them with the others
             raise
@@ -259,8 +261,8 @@ class Scheduler:
     async def _loop(self) -> None:
         while True:
             try:
-                if not self.engine.healthy():
-                    raise BackendDead("the model backend is down")
+                if self._lost.is_set() or not self.engine.healthy():
+                    raise BackendDead(self._lost_reason or "the model backend is down")
                 await self._reap()
                 await self._admit()
                 if not self.running:
@@ -293,11 +295,11 @@ class Scheduler:
         batch = [j for j in self.running if id(j) not in mixed]
         if not batch:                          # nothing to step with: prefill them apart
             async with self.engine_lock:
-                await compute.run(self._prefill, mix)
+                await self.run_engine(self._prefill, mix)
             return
         before = [len(j.req.output) for j in batch]
         async with self.engine_lock:
-            info, failed, retried = await compute.run(self._isolated_step, [j.req for j in batch], mix)
+            info, failed, retried = await self.run_engine(self._isolated_step, [j.req for j in batch], mix)
         self.steps += 1
         if retried and self.metrics:
             self.metrics.step_retries.labels(**self.metrics.labels).inc()
@@ -420,10 +422,39 @@ class Scheduler:
             self.on_backend_dead(reason)
 
     def wake(self) -> None:
-        """Thread-safe nudge (e.g. from a backend's watch thread) so the loop looks at the backend's health."""
+        """Thread-safe nudge so the loop looks at its queues and the backend's health."""
         loop = self._task.get_loop() if self._task else None
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake.set)
+
+    def backend_lost(self, reason: str) -> None:
+        """Thread-safe, from a backend's watch (a tensor-parallel rank died): the backend is down whatever the call
+        in flight does. A collective that the dead rank left waiting may not return for a long time, so the loop
+        stops waiting for it (run_engine) and ends every request now instead of after it."""
+        loop = self._task.get_loop() if self._task else None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._mark_lost, reason)
+
+    def _mark_lost(self, reason: str) -> None:
+        self._lost_reason = self._lost_reason or reason
+        self._lost.set()
+        self._wake.set()
+
+    async def run_engine(self, fn, *args):
+        """compute.run(fn, *args), abandoned with BackendDead once the backend is declared lost meanwhile. The
+        abandoned call goes on in the compute thread; nothing it returns is committed or streamed."""
+        if self._lost.is_set():
+            raise BackendDead(self._lost_reason)
+        work = asyncio.ensure_future(compute.run(fn, *args))
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if work.done():
+            return work.result()
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" log
+        raise BackendDead(self._lost_reason)
 
     async def _commit(self, p: _Pending) -> None:
         """Commit a step, then stream it. Store down: keep the step pending (retried next iteration, after a
@@ -551,6 +582,8 @@ class Scheduler:
     async def _release(self, jobs: list[Job]) -> None:
         """Free KV (under the engine lock) and the draft sessions (off the event loop: it is a blocking RPC)."""
         if not jobs:
+            return
+        if self._lost.is_set():            # the compute thread may sit in an abandoned call: touch nothing of it
             return
         async with self.engine_lock:
             for j in jobs:

@@ -10,7 +10,6 @@ import time
 
 import torch
 
-from specdec import compute
 from specdec.engine.engine import Engine
 from specdec.errors import InvalidRequest
 from specdec.speculative.accept import Mode, accept
@@ -188,5 +187,5 @@ class TargetService:
             out = accept(p, q if mode_ is Mode.REJECTION else None, torch.tensor(drafts, dtype=torch.long),
                          torch.tensor([0, len(drafts) + 1]), [mode_], [params.seed], [len(context)])
             return out.tokens[0], int(out.num_accepted[0])
-        tokens, accepted = await compute.run(run)
+        tokens, accepted = await self.scheduler.run_engine(run)
         return tokens, accepted, params.seed

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import grpc
 import httpx
@@ -112,12 +114,14 @@ def test_concurrent_seeded_rejection_with_empty_ngram_proposals(tmp, lm, redis_u
 # -- 2. in process: a step that raises ---------------------------------------------------------------------------------
 class FaultyEngine:
     """The real engine, except that `forward` (what verify calls; prefill goes through the real engine's own forward)
-    raises while `fail(inputs)` says so."""
+    raises while `fail(inputs)` says so, and waits for `unstall` (at most 20 s: a collective a dead rank left hanging)
+    when `stall(inputs)` says so."""
 
     def __init__(self, engine: Engine):
         self._engine = engine
-        self.fail = lambda inputs: False
+        self.fail = self.stall = lambda inputs: False
         self.raised = 0
+        self.stalled, self.unstall = threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -126,6 +130,9 @@ class FaultyEngine:
         if self.fail(inputs):
             self.raised += 1
             raise RuntimeError("injected engine fault")
+        if self.stall(inputs):
+            self.stalled.set()
+            self.unstall.wait(20)
         return self._engine.forward(inputs, *args, **kwargs)
 
 
@@ -263,6 +270,87 @@ def test_request_that_cannot_step_ends_alone_and_resumes(lm):
     # resumed: exactly the uninterrupted output
     assert resumed_rest["choices"][0]["text"] == lm.tokenizer.decode(want_rest)
     assert resumed_grpc == want_grpc
+
+
+def test_a_forward_left_hanging_by_a_dead_backend_does_not_hold_the_requests(lm):
+    """A tensor-parallel rank dies while rank 0 sits in a collective that does not return (here: a forward waiting
+    for an event). The backend's watch thread calls Scheduler.backend_lost; every request -- a REST stream, a gRPC
+    stream, one queued behind the hung step -- ends with the retryable error while the forward still hangs, its
+    committed tokens kept; the server is told to go (on_backend_dead) then too. When the abandoned forward does
+    return, nothing of it is committed."""
+    from specdec import compute
+    n = 40
+
+    async def run():
+        async with Stack(lm) as s:
+            once = [True]
+
+            def stall(inputs):
+                hang = {j.req.seq for j in s.sched.running if j.rid == "hang-rest" and len(j.req.output) >= 6}
+                if once[0] and any(i.seq in hang for i in inputs):
+                    once[0] = False
+                    return True
+                return False
+            s.engine.stall = stall
+            down = []
+            s.sched.on_backend_dead = lambda reason: down.append((reason, s.engine.unstall.is_set()))
+
+            async def rank_dies():      # what TPEngine's watch does when it sees rank 1 gone
+                assert await asyncio.to_thread(s.engine.stalled.wait, 60)
+                queued.append(asyncio.create_task(grpc_stream("hang-queued", LONG[2])))
+                while not s.sched.waiting:          # it waits behind the hung step
+                    await asyncio.sleep(0.01)
+                s.engine.healthy = lambda: False
+                threading.Thread(target=s.sched.backend_lost, args=("rank 1 (pid 0) exited with code -9",)).start()
+                return time.perf_counter()
+
+            async def rest_stream():
+                r = await s.http.post("/v1/completions", json={"prompt": LONG[0], "max_tokens": n, "temperature": 0,
+                                                               "request_id": "hang-rest", "stream": True})
+                events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                return events, time.perf_counter(), s.engine.unstall.is_set()
+
+            async def grpc_stream(rid, prompt):
+                toks, err = [], None
+                try:
+                    async for c in s.stub.Generate(pb.GenerateRequest(
+                            request_id=rid, prompt_ids=pb.TokenIds(ids=lm.tokenizer.encode(prompt)), max_tokens=n,
+                            sampling=pb.SamplingParams(temperature=0.9, seed=4)), timeout=120):
+                        toks += c.tokens
+                except grpc.aio.AioRpcError as e:
+                    err = e
+                return toks, err, s.engine.unstall.is_set()
+
+            queued = []
+            t_dead, (events, t_end, released), g = await asyncio.gather(
+                rank_dies(), rest_stream(), grpc_stream("hang-grpc", LONG[1]))
+            queued = await queued[0]
+            recs = {rid: await s.store.get(rid) for rid in ("hang-rest", "hang-grpc")}
+            s.engine.unstall.set()                  # the collective returns after all
+            await compute.run(lambda: None)         # ... and the abandoned step with it
+            await asyncio.sleep(0.2)
+            after = {rid: await s.store.get(rid) for rid in recs}
+            return t_end - t_dead, events, released, g, queued, recs, after, down, s.sched.running
+
+    ended_s, events, released, (g_toks, g_err, g_released), (q_toks, q_err, _), recs, after, down, running = \
+        asyncio.run(run())
+    print(f"\n[backend lost mid-forward] the REST stream ended {ended_s:.2f} s after backend_lost")
+    assert not released and not g_released         # ended while the forward still hung
+    assert ended_s < 5
+    err = events[-1]["error"]
+    assert err["type"] == "service_unavailable" and "hang-rest" in err["message"] and "resume" in err["message"]
+    text = "".join(e["choices"][0]["text"] for e in events[:-1])
+    want = plain(lm, lm.tokenizer.encode(LONG[0]), SamplingParams(), n)
+    assert g_err is not None and g_err.code() == grpc.StatusCode.UNAVAILABLE and "hang-grpc" in g_err.details()
+    assert q_err is not None and q_err.code() == grpc.StatusCode.UNAVAILABLE and q_toks == []
+    assert "hang-queued" in q_err.details()        # ended from the queue (a refusal at the door names no id)
+    assert down == [("rank 1 (pid 0) exited with code -9", False)] and running == []    # told to go before it returned
+    rec = recs["hang-rest"]
+    assert rec.status == "running" and 6 <= len(rec.output) < n and rec.output == want[:len(rec.output)]
+    assert text == lm.tokenizer.decode(rec.output)
+    g_want = plain(lm, lm.tokenizer.encode(LONG[1]), SamplingParams(temperature=0.9, seed=4), n)
+    assert recs["hang-grpc"].output == g_want[:len(recs["hang-grpc"].output)] and g_toks == recs["hang-grpc"].output
+    assert {rid: r.output for rid, r in after.items()} == {rid: r.output for rid, r in recs.items()}
 
 
 def test_a_request_admitted_mid_flight_is_prefilled_in_the_step_forward(lm):
