@@ -700,3 +700,24 @@ def test_a_catch_up_that_cannot_pay_is_neither_drafted_nor_explored():
     fresh = _prompted(16, 0.85, cheap)
     cheap.begin(fresh)
     assert [cheap.gamma(r) for r in fresh] == [4] * 16
+
+
+
+def test_the_catch_up_rate_weighs_each_catch_up_by_its_tokens():
+    """The catch-up's cost per token is summed time over summed tokens (fading), not an average of per-step rates: a
+    step that caught up 16 tokens and ran 8 ms over a steady drafting step (noise, at a trained drafter's ~0.05 ms a
+    token) must not read as a catch-up ten times dearer. Averaged per step it did, and at 8 served requests the
+    trained drafter was withheld from requests that had fallen behind (README, "Catch-ups priced before they are
+    paid")."""
+    from specdec.speculative.propose import Proposal
+    planner = CostPlanner(AMX_SMOLLM2, fixed_ms=15.0, draft_ms_per_token=3.0)
+    batch = _prompted(8, 0.4, planner)                                      # 8 new 60-token prompts
+    props = [Proposal(1, [2] * 4, [0.9] * 4) for _ in batch]
+    planner.observe(batch, props, [5] * 8, [1] * 8, draft_ms=15.0 + 24.0, verify_ms=40.0)
+    assert planner.catch_up_ms == pytest.approx(24.0 / 480)
+    late = _reqs(1, 0.4, planner, first=8, prompt_len=16, max_tokens=64)    # one joins, 16 tokens behind
+    batch += late
+    props.append(Proposal(1, [2] * 4, [0.9] * 4))
+    planner.observe(batch, props, [5] * 9, [1] * 9, draft_ms=15.0 + 8.0, verify_ms=40.0)
+    fade = 1 - planner.ema
+    assert planner.catch_up_ms == pytest.approx((fade * 24.0 + 8.0) / (fade * 480 + 16))   # 0.068, not 0.14
