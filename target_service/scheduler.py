@@ -421,12 +421,6 @@ class Scheduler:
         if self.on_backend_dead:
             self.on_backend_dead(reason)
 
-    def wake(self) -> None:
-        """Thread-safe nudge so the loop looks at its queues and the backend's health."""
-        loop = self._task.get_loop() if self._task else None
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake.set)
-
     def backend_lost(self, reason: str) -> None:
         """Thread-safe, from a backend's watch (a tensor-parallel rank died): the backend is down whatever the call
         in flight does. A collective that the dead rank left waiting may not return for a long time, so the loop
