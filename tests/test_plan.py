@@ -696,7 +696,7 @@ def test_a_catch_up_that_cannot_pay_is_neither_drafted_nor_explored():
     planner.begin(batch[1:3])                                               # the batch down to two: it would pay
     assert planner.catch_up_pays(batch[1], 0.85)
     cheap = CostPlanner(AMX_SMOLLM2, fixed_ms=15.0, draft_ms_per_token=3.0)
-    cheap.catch_up_ms = 0.01
+    cheap.catch_up_sums = (0.01, 1.0)                                       # 0.01 ms a token
     fresh = _prompted(16, 0.85, cheap)
     cheap.begin(fresh)
     assert [cheap.gamma(r) for r in fresh] == [4] * 16

@@ -244,8 +244,7 @@ class CostPlanner:
         self.exploring = False                # the step being planned: only explorers drafted
         self.drafted_last: set[str] = set()   # requests the model drafted for in the latest step
         self.model_seen: dict[str, int] = {}  # per request: its committed length when the model last drafted for it
-        self.catch_up_ms = 0.0                # a model drafter's catch-up per token it had not seen (smoothed)
-        self.catch_up_sums = (0.0, 0.0)       # (ms, tokens) of the catch-ups measured, fading
+        self.catch_up_sums = (0.0, 0.0)       # (ms, tokens) of the catch-ups measured, fading: catch_up_ms
         self.catch_ups_withheld = 0           # request-steps not drafted for because the catch-up would not pay
         # Does drafting pay for the batch as a whole (at large batches verify rows stop being nearly free)? Predicted:
         # the plans' expected tokens/ms (drafting included) over plain decoding's by the cost table. Realised: each
@@ -344,6 +343,16 @@ class CostPlanner:
         # explore at the block length drafting would use, so the measured drafting steps are representative
         return min(r.gamma, best_gamma(alpha, c, r.gamma))
 
+    @property
+    def catch_up_ms(self) -> float:
+        """A model drafter's catch-up per token it had not seen (0 until one is measured)."""
+        ms, tokens = self.catch_up_sums
+        return ms / tokens if tokens else 0.0
+
+    def unseen(self, r) -> int:
+        """Tokens of `r` the model drafter has not seen: all it committed since the model last drafted for it."""
+        return r.committed_len - self.model_seen.get(r.rid, 0)
+
     def catch_up_pays(self, r, alpha: float) -> bool:
         """May the model draft for `r` where it must first catch up on the text it has not seen (a model drafter
         prefills it: a new request's prompt, or all since it last drafted for it)? Only where that catch-up, at the
@@ -356,7 +365,7 @@ class CostPlanner:
         such a catch-up loses little. At a quarter, served chat at 8 requests with the trained drafter (a Zen 4 EPYC)
         withheld 521-1,548 request-steps a run (19-287 at a half), while the copy's counts at 16 stayed at ~5,500
         (README, "Catch-ups priced before they are paid", "... weighed by their tokens")."""
-        unseen = r.committed_len - self.model_seen.get(r.rid, 0)
+        unseen = self.unseen(r)
         if unseen <= r.gamma + 1:             # no more than a block's commits behind (every step of a steady request)
             return True
         B = max(1, self.batch)
@@ -480,8 +489,7 @@ class CostPlanner:
         # steady: every request drafted for also drafted the step before, so the drafter caught up on nothing (a
         # model drafter first prefills the text it has not seen: a new request's prompt, or all since its last draft)
         steady = bool(modelled) and modelled <= self.drafted_last
-        behind = sum(r.committed_len - self.model_seen.get(r.rid, 0) for r in reqs
-                     if r.rid in modelled and r.rid not in self.drafted_last)
+        behind = sum(self.unseen(r) for r in reqs if r.rid in modelled and r.rid not in self.drafted_last)
         if draft_ms is not None and self.learn_costs and behind >= CATCH_UP_TOKENS:
             # the catch-up's cost per token: the time beyond what a steady drafting step costs (the whole step's, an
             # upper bound, where that is not measured yet) over the tokens caught up, each summed over the catch-ups
@@ -490,7 +498,6 @@ class CostPlanner:
             # as a catch-up many times dearer than one of hundreds of tokens
             self.catch_up_sums = ((1 - self.ema) * self.catch_up_sums[0] + max(0.0, draft_ms - self.fixed_ms),
                                   (1 - self.ema) * self.catch_up_sums[1] + behind)
-            self.catch_up_ms = self.catch_up_sums[0] / self.catch_up_sums[1]
         self.drafted_last = modelled
         for r in reqs:
             if r.rid in modelled:
