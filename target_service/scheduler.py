@@ -298,6 +298,8 @@ class Scheduler:
                 await self.run_engine(self._prefill, mix)
             return
         before = [len(j.req.output) for j in batch]
+        if hasattr(self.planner, "closed"):    # nothing waits: the batch only shrinks (CostPlanner.burst_worth)
+            self.planner.closed = not self.waiting
         async with self.engine_lock:
             info, failed, retried = await self.run_engine(self._isolated_step, [j.req for j in batch], mix)
         self.steps += 1

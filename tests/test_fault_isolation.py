@@ -139,14 +139,14 @@ class FaultyEngine:
 class Stack:
     """Scheduler + service + REST app (ASGI, in process) + gRPC server on a loopback port, on a FaultyEngine."""
 
-    def __init__(self, lm):
+    def __init__(self, lm, cfg=None):
         from target_service.metrics import Metrics
         from target_service.scheduler import Scheduler, SchedulerConfig
         from target_service.service import TargetService
         self.lm, self.store, self.metrics = lm, MemoryStore(), Metrics(lm.name)
         self.engine = FaultyEngine(Engine(lm.model, kv_tokens=8192))
         drafter = ModelDrafter(load("tiny-llama-draft").model)
-        self.sched = Scheduler(self.engine, drafter, self.store, lm.tokenizer, SchedulerConfig(), self.metrics)
+        self.sched = Scheduler(self.engine, drafter, self.store, lm.tokenizer, cfg or SchedulerConfig(), self.metrics)
         self.svc = TargetService(self.engine, self.sched, self.store, lm.tokenizer, model_name=lm.name,
                                  draft_name="tiny-llama-draft", metrics=self.metrics)
 
@@ -384,3 +384,36 @@ def test_a_request_admitted_mid_flight_is_prefilled_in_the_step_forward(lm):
     assert prefills == [1] and mixed == [len(lm.tokenizer.encode(second[0])) - 1]
     for (p, sp, n), o in zip([(*first, 60), (*second, 30)], outs):
         assert o["choices"][0]["text"] == lm.tokenizer.decode(plain(lm, lm.tokenizer.encode(p), sp, n)), o
+
+
+def test_the_planner_is_told_whether_requests_wait_for_admission(lm):
+    """A planner with a `closed` attribute is told before each step whether any request waits for admission
+    (CostPlanner.burst_worth values tokens by the batch's end only where none does): with one request running at a
+    time, the first one's steps run with the second waiting, the second's with nothing waiting."""
+    from specdec.speculative.step import plan_full
+    from target_service.scheduler import SchedulerConfig
+
+    class Recorder:
+        closed = None
+
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, reqs, props):
+            self.seen.append(([r.rid for r in reqs], self.closed))
+            return plan_full(reqs, props)
+
+    async def run():
+        async with Stack(lm, SchedulerConfig(max_running=1)) as s:
+            s.sched.planner = rec = Recorder()
+            body = {"prompt": LONG[1], "max_tokens": 12, "temperature": 0}
+            outs = await asyncio.gather(s.http.post("/v1/completions", json=body),
+                                        s.http.post("/v1/completions", json=body))
+            return rec.seen, outs
+
+    seen, outs = asyncio.run(run())
+    assert all(o.status_code == 200 for o in outs)
+    first, second = seen[0][0], seen[-1][0]
+    assert len(first) == len(second) == 1 and first != second
+    assert seen[-1][1] is True and all(closed is True for rids, closed in seen if rids == second)
+    assert [closed for rids, closed in seen if rids == first][-1] is False

@@ -9,7 +9,7 @@ from specdec.draft.model import ModelDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
-from specdec.speculative.plan import (MEASURED_AFTER, Calibration, CostPlanner, CostTable, best_gamma, best_plan,
+from specdec.speculative.plan import (AHEAD_WORTH, MEASURED_AFTER, Calibration, CostPlanner, CostTable, best_gamma, best_plan,
                                       brute_force_plan, expected_rate, leviathan_gain)
 
 COSTS = [CostTable([1, 2, 4, 8, 16, 32], [10, 10.4, 11, 12.5, 16, 25]),   # verify nearly free up to ~8 rows
@@ -25,10 +25,12 @@ def test_best_plan_matches_brute_force(B, ci, fixed, data):
              for c in caps]
     cost = COSTS[ci]
     floors = [data.draw(st.integers(1, c)) if data.draw(st.booleans()) else 1 for c in caps]
-    v, _ = brute_force_plan(probs, caps, cost, fixed, floors)
-    got = best_plan(probs, caps, cost, fixed, floors)
+    worth = [data.draw(st.sampled_from([0.0, 0.3, 1.0])) for _ in caps] if data.draw(st.booleans()) else None
+    v, _ = brute_force_plan(probs, caps, cost, fixed, floors, worth)
+    got = best_plan(probs, caps, cost, fixed, floors, worth)
     assert all(f <= g <= c for f, g, c in zip(floors, got, caps))
-    assert expected_rate(probs, got, cost, fixed) == pytest.approx(expected_rate(probs, v, cost, fixed), rel=1e-9)
+    assert expected_rate(probs, got, cost, fixed, worth) == \
+        pytest.approx(expected_rate(probs, v, cost, fixed, worth), rel=1e-9)
 
 
 def test_best_plan_shapes():
@@ -721,3 +723,51 @@ def test_the_catch_up_rate_weighs_each_catch_up_by_its_tokens():
     planner.observe(batch, props, [5] * 9, [1] * 9, draft_ms=15.0 + 8.0, verify_ms=40.0)
     fade = 1 - planner.ema
     assert planner.catch_up_ms == pytest.approx((fade * 24.0 + 8.0) / (fade * 480 + 16))   # 0.068, not 0.14
+
+
+
+def test_in_a_burst_tokens_count_by_how_much_they_shorten_it():
+    """Where no request waits for admission the batch only shrinks and lasts as long as its request with the most
+    left: a token counts in full for that request; for requests within a block of the most left, by the share of
+    them with a draft (each must gain); a request further ahead finishing sooner saves only its row (AHEAD_WORTH at
+    least).
+    Past a step in the forward's cost (an AMX GEMM's 16-row block: 13-16 rows ~35 ms, 17 ~39 on a Xeon) such tokens
+    do not pay for the rows; with requests waiting, every token counts in full."""
+    from specdec.speculative.propose import Proposal
+    cost = CostTable([1, 8, 16, 17, 32], [30.0, 34.0, 35.0, 39.0, 44.0])
+    planner = CostPlanner(cost)
+    planner.cal_copied.prob = lambda c: 0.95
+    reqs = _reqs(16, 0.5, planner, max_tokens=64)
+    for r in reqs:
+        r.output = [7] * 20
+    copy, none = Proposal(1, [2] * 4, [1.0] * 4, copied=True), Proposal(1, [], [])
+    one = [copy] + [none] * 15
+    reqs[0].output = [7] * 40                             # 16 tokens ahead of the others
+    assert planner(reqs, one)[0] == 5                     # requests waiting: every token counts as a plain step's
+    planner.closed = True
+    assert planner.burst_worth(reqs, one) == [AHEAD_WORTH] + [AHEAD_WORTH] * 15     # 15 within a block of the most left
+    assert planner(reqs, one)[0] == 1
+    reqs[0].output = [7] * 20
+    for r in reqs[1:]:
+        r.output = [7] * 30                               # now it alone has the most left: its tokens count in full
+    assert planner.burst_worth(reqs, one) == [1.0] + [AHEAD_WORTH] * 15
+    assert planner(reqs, one)[0] == 5
+    for r in reqs:
+        r.output = [7] * 20                               # 16 started together, weaker copies for 8 of them
+    planner.cal_copied.prob = lambda c: 0.6
+    half = [copy] * 8 + [none] * 8
+    planner.closed = False
+    assert sum(planner(reqs, half)) > 16
+    planner.closed = True
+    assert planner.burst_worth(reqs, half) == [AHEAD_WORTH] * 16 and sum(planner(reqs, half)) == 16
+    assert planner.burst_worth(reqs, [copy] * 16) == [1.0] * 16          # blocks for all of them: they all count
+    planner.closed = False
+    everyone = planner(reqs, [copy] * 16)
+    planner.closed = True
+    assert planner(reqs, [copy] * 16) == everyone and sum(everyone) > 16
+    few = reqs[:4]                                        # up to 16 rows verify is nearly free: verified all the same
+    assert sum(planner(few, half[:4])) >= 12
+    steep = CostPlanner(CostTable.linear(10.0, 10.0))     # where a row costs more than a plain token's share
+    steep.closed = True
+    reqs[0].output = [7] * 40
+    assert steep.burst_worth(reqs, [none] * 16)[0] == pytest.approx(10 * 16 / 170)
