@@ -65,6 +65,11 @@ class SpecRequest:
     def committed_len(self) -> int:
         return len(self.prompt) + len(self.output)
 
+    @property
+    def left(self) -> int:
+        """Tokens it may still emit (max_tokens less those emitted)."""
+        return self.max_tokens - len(self.output)
+
 
 @dataclasses.dataclass
 class StepInfo:
@@ -80,7 +85,7 @@ class StepInfo:
 
 def plan_full(reqs: list[SpecRequest], props: list[Proposal]) -> list[int]:
     """Verify every proposed draft, but never more rows than tokens the request may still emit."""
-    return [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.max_tokens - len(r.output))) for r, p in zip(reqs, props)]
+    return [max(1, min(len(p.tokens) + 1, r.gamma + 1, r.left)) for r, p in zip(reqs, props)]
 
 
 # A planner is called with (requests, proposals) and returns verify_len per request; optionally it has
@@ -238,7 +243,7 @@ def _commit(target, reqs: list[SpecRequest], props: list[Proposal], vlen: list[i
     # 5. commit: append, stop at a stop id or max_tokens, roll the KV back to "all committed but the anchor"
     emitted = []
     for i, (r, v) in enumerate(zip(reqs, vlen)):
-        toks = out.tokens[i][:r.max_tokens - len(r.output)]
+        toks = out.tokens[i][:r.left]
         stop = next((k for k, t in enumerate(toks) if t in r.stop_ids), None)
         if stop is not None:
             toks, r.finish_reason = toks[:stop + 1], "stop"
