@@ -9,8 +9,8 @@ from specdec.draft.model import ModelDrafter
 from specdec.engine.engine import Engine
 from specdec.engine.registry import load
 from specdec.speculative.generator import GenRequest, SpeculativeGenerator
-from specdec.speculative.plan import (AHEAD_WORTH, MEASURED_AFTER, Calibration, CostPlanner, CostTable, best_gamma, best_plan,
-                                      brute_force_plan, expected_rate, leviathan_gain)
+from specdec.speculative.plan import (AHEAD_WORTH, MEASURED_AFTER, Calibration, CostPlanner, CostTable, best_gamma,
+                                      best_plan, brute_force_plan, expected_rate, leviathan_gain)
 
 COSTS = [CostTable([1, 2, 4, 8, 16, 32], [10, 10.4, 11, 12.5, 16, 25]),   # verify nearly free up to ~8 rows
          CostTable.linear(2.0, 3.0),                                       # every row costs: short blocks win
@@ -730,9 +730,8 @@ def test_in_a_burst_tokens_count_by_how_much_they_shorten_it():
     """Where no request waits for admission the batch only shrinks and lasts as long as its request with the most
     left: a token counts in full for that request; for requests within a block of the most left, by the share of
     them with a draft (each must gain); a request further ahead finishing sooner saves only its row (AHEAD_WORTH at
-    least).
-    Past a step in the forward's cost (an AMX GEMM's 16-row block: 13-16 rows ~35 ms, 17 ~39 on a Xeon) such tokens
-    do not pay for the rows; with requests waiting, every token counts in full."""
+    least). Past a step in the forward's cost (an AMX GEMM's 16-row block: 13-16 rows ~35 ms, 17 ~39 on a Xeon)
+    such tokens do not pay for the rows; with requests waiting, every token counts in full."""
     from specdec.speculative.propose import Proposal
     cost = CostTable([1, 8, 16, 17, 32], [30.0, 34.0, 35.0, 39.0, 44.0])
     planner = CostPlanner(cost)
@@ -745,7 +744,7 @@ def test_in_a_burst_tokens_count_by_how_much_they_shorten_it():
     reqs[0].output = [7] * 40                             # 16 tokens ahead of the others
     assert planner(reqs, one)[0] == 5                     # requests waiting: every token counts as a plain step's
     planner.closed = True
-    assert planner.burst_worth(reqs, one) == [AHEAD_WORTH] + [AHEAD_WORTH] * 15     # 15 within a block of the most left
+    assert planner.burst_worth(reqs, one) == [AHEAD_WORTH] * 16    # the 15 with the most left have no draft
     assert planner(reqs, one)[0] == 1
     reqs[0].output = [7] * 20
     for r in reqs[1:]:
